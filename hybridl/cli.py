@@ -1,0 +1,50 @@
+"""Command-line entry point: ``hybridl <command> [options]``.
+
+Each command lives in its own module with a ``main(argv) -> int`` function, imported only
+when the command is used, so ``hybridl hw`` does not pay for importing the training stack.
+
+Commands:
+    train    train a model (default: LeNet on the Digits data that ship with scikit-learn)
+    trace    record a few training steps with the profiler and write a Chrome trace
+    hw       probe and measure this machine (bandwidth, latency, caches, GEMM, storage)
+    export   export a trained model to graph JSON + safetensors (and ONNX)
+    launch   run a command under mpiexec (multi-process training)
+"""
+import importlib
+import sys
+
+COMMANDS = {
+    "train": ("hybridl.train_cli", "train a model (LeNet on Digits by default)"),
+    "trace": ("hybridl.train_cli", "record training steps with the profiler"),
+    "hw": ("hybridl.hardware.report", "probe and measure this machine"),
+    "export": ("hybridl.train_cli", "export a model (graph JSON + safetensors)"),
+    "launch": ("hybridl.distributed.launch", "run a command under mpiexec"),
+}
+
+
+def _usage():
+    lines = ["usage: hybridl <command> [options]", "", "commands:"]
+    for name, (_, help_) in COMMANDS.items():
+        lines.append(f"  {name:<8} {help_}")
+    lines.append("")
+    lines.append("Run `hybridl <command> --help` for a command's options.")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    """Dispatch ``hybridl <command>``; returns the process exit code (2 for bad usage)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in COMMANDS:
+        print(f"hybridl: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[cmd][0])
+    entry = getattr(module, f"main_{cmd}", None) or module.main
+    return entry(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
