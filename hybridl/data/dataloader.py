@@ -1,0 +1,290 @@
+"""DataLoader: batches, shuffling, sharding and background prefetch.
+
+Sample order (per epoch ``e``, documented so that every rank / run can reproduce it):
+
+1. ``order = np.random.default_rng([seed, e]).permutation(N)`` if ``shuffle`` else
+   ``np.arange(N)``. ``N = len(dataset)``. The permutation does not touch any global RNG.
+2. Sharding (``num_shards = S``, ``shard_index = r``): ``m = N // S`` and rank ``r`` takes the
+   *contiguous* slice ``order[r*m : (r+1)*m]``. The last ``N - S*m`` entries of ``order`` are
+   dropped so every rank sees the same number of samples (ranks stay in lockstep). All ranks
+   must use the same ``seed`` so the shards are disjoint.
+3. Batching of the shard's ``m`` indices by ``batch_size = B``, according to ``last_batch``:
+   ``'keep'`` (last batch may be smaller), ``'discard'`` (drop it), ``'rollover'`` (the
+   leftover indices are put in front of the next epoch's indices, as in MXNet Gluon).
+
+With ``num_workers > 0`` a thread pool loads up to ``prefetch`` batches ahead of the consumer
+(NumPy releases the GIL in the copies), and batches are handed out in order, so output is
+identical for every ``num_workers``.
+"""
+
+from __future__ import annotations
+
+import collections
+import numbers
+import os
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+__all__ = ["DataLoader", "default_batchify_fn"]
+
+_LAST_BATCH = ("keep", "discard", "rollover")
+
+
+def _check_int(name, value, minimum, maximum=None, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"DataLoader: {name} must be an integer, got {value!r} "
+                         f"({type(value).__name__})")
+    value = int(value)
+    if value < minimum or (maximum is not None and value > maximum):
+        rng = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"DataLoader: {name} must be {rng}, got {value}")
+    return value
+
+
+def default_batchify_fn(samples):
+    """Stack a list of samples into a tuple of NumPy arrays.
+
+    Each sample is an array/scalar or a tuple/list of them; field ``k`` of the batch is
+    ``np.stack([s[k] for s in samples])`` (shape ``(len(samples),) + field_shape``, dtype as
+    NumPy's stacking gives; Python ints become int64, floats float64).
+
+    Raises:
+        ValueError: samples have different numbers of fields or different field shapes.
+    """
+    first = samples[0]
+    if isinstance(first, (tuple, list)):
+        nfields = len(first)
+        for s in samples:
+            if not isinstance(s, (tuple, list)) or len(s) != nfields:
+                raise ValueError(f"batchify: every sample must have {nfields} fields like the "
+                                 f"first one, got {type(s).__name__} of length "
+                                 f"{len(s) if hasattr(s, '__len__') else '?'}")
+        fields = [[s[k] for s in samples] for k in range(nfields)]
+    else:
+        fields = [samples]
+    out = []
+    for k, f in enumerate(fields):
+        f = [np.asarray(x.asnumpy()) if hasattr(x, "asnumpy") else x for x in f]
+        try:
+            out.append(np.stack(f))
+        except ValueError as exc:
+            shapes = sorted({np.shape(x) for x in f})
+            raise ValueError(f"batchify: field {k} of the samples has different shapes "
+                             f"{shapes[:4]}; cannot stack ({exc})") from exc
+    return tuple(out)
+
+
+def _draw_seed():
+    """A fresh non-negative seed from hybridl's global RNG if present, else NumPy's global."""
+    try:
+        from hybridl import random as hl_random  # lazy: optional, higher-level module
+    except Exception:
+        hl_random = None
+    if hl_random is not None:
+        for name in ("draw_seed", "next_seed", "new_seed"):
+            fn = getattr(hl_random, name, None)
+            if callable(fn):
+                try:
+                    return int(fn()) % (2 ** 63)
+                except Exception:
+                    pass
+        for name in ("get_rng", "get_generator", "generator", "host_rng"):
+            fn = getattr(hl_random, name, None)
+            if callable(fn):
+                try:
+                    g = fn()
+                    return int(g.integers(0, 2 ** 63 - 1))
+                except Exception:
+                    pass
+    return int(np.random.randint(0, 2 ** 31 - 1))
+
+
+class DataLoader:
+    """Iterate over a dataset in batches of NDArrays.
+
+    Args:
+        dataset: a :class:`~hybridl.data.Dataset` (or anything with ``len`` and integer
+            indexing).
+        batch_size (int > 0): samples per batch.
+        shuffle (bool): shuffle every epoch (see module docstring for the exact order).
+        last_batch: ``'keep'`` | ``'discard'`` | ``'rollover'``.
+        num_workers (int >= 0): background loader threads; 0 loads in the caller's thread.
+            ``None`` reads ``$HYBRIDL_NUM_WORKERS`` (default 0).
+        seed (int >= 0 or None): shuffle seed; epoch ``e`` uses
+            ``np.random.default_rng([seed, e]).permutation(N)``. ``None`` draws one seed at
+            construction from ``hybridl.random`` (NumPy's global RNG if unavailable).
+        num_shards (int >= 1), shard_index (int in [0, num_shards)): distributed sharding,
+            contiguous slices of the permutation, remainder dropped (see module docstring).
+        prefetch (int >= 0; >= 1 if num_workers > 0): batches loaded ahead of the consumer.
+        batchify_fn: ``fn(list_of_samples) -> array or tuple of arrays``; default
+            :func:`default_batchify_fn`. Giving one disables the whole-batch fast path.
+        device: device of the produced NDArrays (passed to ``hybridl.ndarray.array``).
+
+    Yields:
+        tuple of ``hybridl.ndarray.NDArray``, one per sample field, each of shape
+        ``(batch, ...)``. For an ``ArrayDataset`` the dtypes are those of its arrays.
+
+    Fast path: for an ``ArrayDataset`` (optionally ``.transform_first`` / ``.transform``
+    with a batchable transform) a batch is one fancy-index per array, no per-sample loop.
+
+    ``len(loader)`` is the number of batches the next epoch yields (for ``'rollover'`` it
+    depends on the leftover of the previous epoch).
+
+    Raises:
+        ValueError: an argument is out of range (message names it, the expected and the given
+            value).
+        TypeError: ``dataset`` has no ``len``/indexing or ``batchify_fn`` is not callable.
+    """
+
+    def __init__(self, dataset, batch_size, shuffle=False, last_batch="keep", num_workers=0,
+                 seed=None, num_shards=1, shard_index=0, prefetch=2, batchify_fn=None,
+                 device=None):
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise TypeError(f"DataLoader: dataset must support len() and indexing, "
+                            f"got {type(dataset).__name__}")
+        self.batch_size = _check_int("batch_size", batch_size, 1)
+        if last_batch not in _LAST_BATCH:
+            raise ValueError(f"DataLoader: last_batch must be one of {_LAST_BATCH}, "
+                             f"got {last_batch!r}")
+        if num_workers is None:
+            env = os.environ.get("HYBRIDL_NUM_WORKERS", "0")
+            try:
+                num_workers = int(env)
+            except ValueError:
+                raise ValueError(f"DataLoader: HYBRIDL_NUM_WORKERS must be an integer >= 0, "
+                                 f"got {env!r}") from None
+        self.num_workers = _check_int("num_workers", num_workers, 0)
+        self.num_shards = _check_int("num_shards", num_shards, 1)
+        self.shard_index = _check_int("shard_index", shard_index, 0, self.num_shards - 1)
+        self.prefetch = _check_int("prefetch", prefetch, 1 if self.num_workers > 0 else 0)
+        if batchify_fn is not None and not callable(batchify_fn):
+            raise TypeError(f"DataLoader: batchify_fn must be callable or None, "
+                            f"got {type(batchify_fn).__name__}")
+        if not isinstance(shuffle, (bool, np.bool_)):
+            raise ValueError(f"DataLoader: shuffle must be a bool, got {shuffle!r}")
+        self.dataset = dataset
+        self.shuffle = bool(shuffle)
+        self.last_batch = last_batch
+        self.batchify_fn = batchify_fn
+        self.device = device
+        if seed is None:
+            if self.shuffle and self.num_shards > 1:
+                warnings.warn("DataLoader: shuffle with num_shards > 1 and seed=None; pass the "
+                              "same seed on every rank or shards may overlap", stacklevel=2)
+            seed = _draw_seed()
+        self.seed = _check_int("seed", seed, 0)
+        self.epoch = 0
+        self._leftover = np.empty(0, dtype=np.int64)
+        can_gather = getattr(dataset, "_can_gather", None)
+        self._fast = batchify_fn is None and callable(can_gather) and bool(can_gather())
+
+    # -- order -----------------------------------------------------------------------------------
+    def set_epoch(self, epoch):
+        """Set the epoch number used by the next iteration (the permutation depends on it)."""
+        self.epoch = _check_int("epoch", epoch, 0)
+
+    def _shard_len(self):
+        return len(self.dataset) // self.num_shards
+
+    def epoch_indices(self, epoch=None):
+        """The shard's sample indices for ``epoch`` (default: the next one), before batching.
+
+        Returns: int64 array of length ``len(dataset) // num_shards``.
+        """
+        e = self.epoch if epoch is None else epoch
+        n = len(self.dataset)
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, e]).permutation(n)
+        else:
+            order = np.arange(n, dtype=np.int64)
+        m = n // self.num_shards
+        return np.asarray(order[self.shard_index * m:(self.shard_index + 1) * m], dtype=np.int64)
+
+    def __len__(self):
+        m, b = self._shard_len(), self.batch_size
+        if self.last_batch == "keep":
+            return -(-m // b)
+        if self.last_batch == "discard":
+            return m // b
+        return (len(self._leftover) + m) // b
+
+    def _plan(self):
+        """Batches of indices for the next epoch; advances epoch and rollover state."""
+        idx = self.epoch_indices()
+        b = self.batch_size
+        if self.last_batch == "rollover":
+            idx = np.concatenate([self._leftover, idx])
+        nfull = len(idx) // b
+        batches = [idx[i * b:(i + 1) * b] for i in range(nfull)]
+        rest = idx[nfull * b:]
+        if self.last_batch == "keep" and len(rest):
+            batches.append(rest)
+        elif self.last_batch == "rollover":
+            self._leftover = rest.copy()
+        self.epoch += 1
+        return batches
+
+    # -- loading ---------------------------------------------------------------------------------
+    def _load(self, indices):
+        """Load one batch as a tuple of NumPy arrays (runs in a worker thread if any)."""
+        if self._fast:
+            return tuple(self.dataset._gather(indices))
+        samples = [self.dataset[int(i)] for i in indices]
+        fn = self.batchify_fn or default_batchify_fn
+        out = fn(samples)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+    def _to_ndarray(self, batch):
+        from hybridl.ndarray import array  # lazy: hybridl.ndarray sits above data's deps
+        out = []
+        for a in batch:
+            if isinstance(a, (np.ndarray, np.generic)):
+                out.append(array(a, device=self.device))
+            elif hasattr(a, "asnumpy"):
+                out.append(a)  # already an NDArray
+            else:
+                out.append(array(np.asarray(a), device=self.device))
+        return tuple(out)
+
+    def _iter_numpy(self, batches):
+        if self.num_workers == 0 or not batches:
+            for bidx in batches:
+                yield self._load(bidx)
+            return
+        pool = ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix="hybridl-data")
+        pending = collections.deque()
+        it = iter(batches)
+        try:
+            for bidx in it:
+                pending.append(pool.submit(self._load, bidx))
+                if len(pending) >= self.prefetch:
+                    break
+            while pending:
+                fut = pending.popleft()
+                batch = fut.result()
+                nxt = next(it, None)  # keep `prefetch` batches in flight while the consumer works
+                if nxt is not None:
+                    pending.append(pool.submit(self._load, nxt))
+                yield batch
+        finally:
+            for f in pending:
+                f.cancel()
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def __iter__(self):
+        batches = self._plan()  # eager: epoch/rollover state advance when iteration starts
+        return self._gen(batches)
+
+    def _gen(self, batches):
+        for batch in self._iter_numpy(batches):
+            yield self._to_ndarray(batch)
+
+    def __repr__(self):
+        return (f"DataLoader(len(dataset)={len(self.dataset)}, batch_size={self.batch_size}, "
+                f"shuffle={self.shuffle}, last_batch={self.last_batch!r}, "
+                f"num_workers={self.num_workers}, num_shards={self.num_shards}, "
+                f"shard_index={self.shard_index}, seed={self.seed}, fast_path={self._fast})")

@@ -1,0 +1,426 @@
+"""Vision datasets: Digits (bundled with scikit-learn), MNIST and Fashion-MNIST.
+
+Every dataset here is an :class:`~hybridl.data.ArrayDataset` of ``(image, label)`` with
+
+* images: float32, NCHW ``(N, 1, H, W)``, values in ``[0, 1]``;
+* labels: int32 in ``[0, 10)``.
+
+Sources:
+
+* Digits — the UCI "Optical Recognition of Handwritten Digits" test set (optdigits; Alpaydin &
+  Kaynak, 1998) as shipped inside scikit-learn (``sklearn.datasets.load_digits``): 1,797 8x8
+  images, values 0..16. No network needed.
+* MNIST — Y. LeCun, L. Bottou, Y. Bengio, P. Haffner, "Gradient-based learning applied to
+  document recognition", Proc. IEEE 86(11), 1998. 60,000 + 10,000 28x28 images.
+* Fashion-MNIST — H. Xiao, K. Rasul, R. Vollgraf, "Fashion-MNIST: a Novel Image Dataset for
+  Benchmarking Machine Learning Algorithms", arXiv:1708.07747, 2017. Same layout as MNIST.
+
+MNIST / Fashion-MNIST files are the standard gzip-compressed IDX files, read from ``root``
+(default ``$HYBRIDL_DATA/<name>`` if ``HYBRIDL_DATA`` is set, else
+``~/.hybridl/datasets/<name>``, with ``<name>`` = ``mnist`` or ``fashion-mnist``). Files are
+parsed without pickle and validated (IDX magic number, dimensions vs. file size, expected
+sample count and image size, image/label count match) and, for MNIST, the MD5 of the
+*decompressed* bytes is checked against the official values. For Fashion-MNIST only the MD5s
+of the official ``.gz`` files are published (by Zalando); those are checked on download, and
+files already on disk are validated by their IDX structure only (a re-compressed ``.gz``
+holding correct data is accepted).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import threading
+import urllib.error
+import urllib.request
+import zlib
+
+import numpy as np
+
+from .dataset import ArrayDataset
+
+__all__ = ["Digits", "MNIST", "FashionMNIST", "DatasetError", "parse_idx"]
+
+
+class DatasetError(RuntimeError):
+    """A data file is corrupt / fails verification, or no mirror delivered a valid copy."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Digits
+# ------------------------------------------------------------------------------------------------
+
+_DIGITS_SEED = 20240917
+_DIGITS_TEST_FRACTION = 0.2
+DIGITS_NUM_TRAIN = 1438
+DIGITS_NUM_TEST = 359
+
+
+def _digits_split():
+    """(images uint8-like float (N,1,8,8), labels int32, train_idx, test_idx), cached."""
+    if "digits" not in _CACHE:
+        from sklearn.datasets import load_digits  # lazy: only this dataset needs sklearn
+        d = load_digits()
+        images = np.asarray(d.images, dtype=np.float32).reshape(-1, 1, 8, 8) / np.float32(16.0)
+        labels = np.asarray(d.target, dtype=np.int32)
+        rs = np.random.RandomState(_DIGITS_SEED)  # legacy RNG: stream frozen across NumPy versions
+        test = []
+        for c in range(10):
+            idx = np.flatnonzero(labels == c)
+            perm = rs.permutation(idx)
+            test.append(perm[:int(round(_DIGITS_TEST_FRACTION * len(idx)))])
+        test = np.sort(np.concatenate(test))
+        mask = np.ones(len(labels), dtype=bool)
+        mask[test] = False
+        train = np.flatnonzero(mask)
+        for a in (images, labels):
+            a.setflags(write=False)
+        _CACHE["digits"] = (images, labels, train, test)
+    return _CACHE["digits"]
+
+
+class Digits(ArrayDataset):
+    """The 8x8 handwritten digits bundled with scikit-learn (UCI optdigits), no download.
+
+    1,797 images of digits 0..9 (``sklearn.datasets.load_digits``), pixel values 0..16
+    scaled by 1/16 to ``[0, 1]``.
+
+    Fixed split (stratified, identical on every machine): for each class ``c`` (in order
+    0..9) the indices of that class are permuted with one ``np.random.RandomState(20240917)``
+    (legacy generator, whose stream NumPy keeps frozen) and the first
+    ``round(0.2 * count_c)`` go to the test set. Result: **1,438 train / 359 test** images,
+    each kept in the original sklearn order.
+
+    Args:
+        train: True for the 1,438-image train split, False for the 359-image test split.
+
+    Samples: ``(image float32 (1, 8, 8) in [0, 1], label int32)``.
+    Attributes: ``images`` float32 ``(N, 1, 8, 8)``, ``labels`` int32 ``(N,)``, ``classes``.
+    """
+
+    classes = tuple(str(i) for i in range(10))
+
+    def __init__(self, train=True):
+        images, labels, tr, te = _digits_split()
+        idx = tr if train else te
+        self.train = bool(train)
+        self.images = images[idx]
+        self.labels = labels[idx]
+        super().__init__(self.images, self.labels)
+
+
+# ------------------------------------------------------------------------------------------------
+# IDX files
+# ------------------------------------------------------------------------------------------------
+
+_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+
+def parse_idx(data, name="<bytes>"):
+    """Parse the bytes of an (uncompressed) IDX file into a NumPy array.
+
+    IDX layout (LeCun et al.): 2 zero bytes, 1 dtype byte (0x08 = uint8, ...), 1 byte ``ndim``,
+    then ``ndim`` big-endian uint32 dimensions, then the data in C order.
+
+    Args:
+        data: the file's bytes. name: file name used in error messages.
+
+    Returns: array of shape ``dims`` (read-only view for uint8 data).
+
+    Raises:
+        DatasetError: bad magic number, unknown dtype code, or a size that does not match the
+            header (truncated or padded file); the message names ``name``.
+    """
+    data = memoryview(data)
+    if len(data) < 4:
+        raise DatasetError(f"{name}: not an IDX file (only {len(data)} bytes)")
+    z0, z1, code, ndim = bytes(data[:4])
+    if z0 != 0 or z1 != 0 or code not in _IDX_DTYPES or ndim == 0:
+        raise DatasetError(f"{name}: bad IDX magic number 0x{bytes(data[:4]).hex()} "
+                           f"(expected 0x0000<dtype><ndim>, e.g. 0x00000803 for images)")
+    header = 4 + 4 * ndim
+    if len(data) < header:
+        raise DatasetError(f"{name}: truncated IDX header ({len(data)} bytes, need {header})")
+    dims = tuple(int(x) for x in np.frombuffer(data[4:header], dtype=">u4"))
+    dtype = np.dtype(_IDX_DTYPES[code])
+    expected = header + int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
+    if len(data) != expected:
+        raise DatasetError(f"{name}: IDX size mismatch: header says dims {dims} of {dtype} "
+                           f"({expected} bytes in all), file has {len(data)} bytes "
+                           f"({'truncated' if len(data) < expected else 'trailing data'})")
+    return np.frombuffer(data[header:], dtype=dtype).reshape(dims)
+
+
+def _decompress(raw, name):
+    """gunzip ``raw`` if it is gzip data; clear error naming the file on corruption."""
+    if raw[:2] != b"\x1f\x8b":
+        return raw
+    try:
+        return gzip.decompress(raw)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise DatasetError(f"{name}: corrupt or truncated gzip data ({type(exc).__name__}: "
+                           f"{exc})") from exc
+
+
+def _md5(b):
+    return hashlib.md5(b).hexdigest()
+
+
+_CACHE = {}
+_CACHE_LOCK = threading.Lock()
+
+
+class _Resource:
+    """One IDX file: name, expected shape, md5 of decompressed bytes and of the official .gz."""
+
+    def __init__(self, fname, shape, md5=None, gz_md5=None):
+        self.fname, self.shape, self.md5, self.gz_md5 = fname, shape, md5, gz_md5
+
+    def verify(self, raw, where, downloaded=False):
+        """Decompress, check checksums and structure; return the parsed array."""
+        if downloaded and self.md5 is None and self.gz_md5 is not None:
+            got = _md5(raw)
+            if got != self.gz_md5:
+                raise DatasetError(f"{where}: MD5 of the downloaded .gz is {got}, expected "
+                                   f"{self.gz_md5} (corrupt or not the official file)")
+        data = _decompress(raw, where)
+        if self.md5 is not None:
+            got = _md5(data)
+            if got != self.md5:
+                raise DatasetError(f"{where}: MD5 of the decompressed data is {got}, expected "
+                                   f"{self.md5} (corrupt or modified file; delete it and "
+                                   f"download again)")
+        arr = parse_idx(data, where)
+        if arr.shape != self.shape:
+            raise DatasetError(f"{where}: expected IDX array of shape {self.shape}, "
+                               f"got {arr.shape}")
+        if arr.dtype != np.uint8:
+            raise DatasetError(f"{where}: expected uint8 IDX data, got {arr.dtype}")
+        return arr
+
+
+def _default_root(name):
+    base = os.environ.get("HYBRIDL_DATA")
+    if base:
+        return os.path.join(os.path.expanduser(base), name)
+    return os.path.join(os.path.expanduser("~"), ".hybridl", "datasets", name)
+
+
+class _IDXImageDataset(ArrayDataset):
+    """Shared implementation of MNIST-layout datasets (see MNIST's docstring)."""
+
+    name = None            # folder name under HYBRIDL_DATA
+    resources = None       # {"train": (images, labels), "test": (images, labels)}
+    default_mirrors = ()
+    classes = ()
+
+    def __init__(self, root=None, train=True, download=False, mirrors=None, timeout=30.0):
+        self.root = os.path.abspath(os.path.expanduser(root)) if root else _default_root(self.name)
+        self.train = bool(train)
+        if mirrors is None:
+            mirrors = list(self.default_mirrors)
+        elif isinstance(mirrors, str):
+            mirrors = [mirrors]
+        else:
+            mirrors = list(mirrors)
+        if download and not mirrors:
+            raise ValueError(f"{type(self).__name__}: mirrors must be a non-empty list of base "
+                             f"URLs when download=True, got {mirrors!r}")
+        self.mirrors = mirrors
+        self.timeout = float(timeout)
+        img_res, lbl_res = self.resources["train" if train else "test"]
+        if download:
+            for res in (img_res, lbl_res):
+                if self._find(res) is None:
+                    self._download(res)
+        images = self._load(img_res)
+        labels = self._load(lbl_res)
+        if len(images) != len(labels):  # pragma: no cover - shapes already checked
+            raise DatasetError(f"{self.root}: {len(images)} images but {len(labels)} labels")
+        # float32 NCHW in [0, 1]; labels int32
+        self.images = (images.reshape(-1, 1, *images.shape[1:]).astype(np.float32)
+                       * np.float32(1.0 / 255.0))
+        self.labels = labels.astype(np.int32)
+        super().__init__(self.images, self.labels)
+
+    # -- files -----------------------------------------------------------------------------------
+    def _find(self, res):
+        """Path of the file for ``res`` (``.gz`` preferred, uncompressed accepted) or None."""
+        for fname in (res.fname + ".gz", res.fname):
+            p = os.path.join(self.root, fname)
+            if os.path.isfile(p):
+                return p
+        return None
+
+    def _load(self, res):
+        path = self._find(res)
+        if path is None:
+            raise FileNotFoundError(
+                f"{type(self).__name__}: {res.fname}.gz not found in {self.root} "
+                f"(looked for {os.path.join(self.root, res.fname + '.gz')} and the uncompressed "
+                f"{res.fname}). Fix: pass download=True to fetch it, or point root= (or the "
+                f"HYBRIDL_DATA environment variable, which is searched as "
+                f"$HYBRIDL_DATA/{self.name}) at a folder holding the IDX files.")
+        st = os.stat(path)
+        key = (path, st.st_size, st.st_mtime_ns)
+        with _CACHE_LOCK:
+            hit = _CACHE.get(key)
+        if hit is not None:
+            return hit
+        with open(path, "rb") as f:
+            raw = f.read()
+        arr = res.verify(raw, path)
+        arr.setflags(write=False)
+        with _CACHE_LOCK:
+            _CACHE[key] = arr
+        return arr
+
+    def _download(self, res):
+        """Fetch ``res`` from the mirrors in order; install it only when whole and verified."""
+        os.makedirs(self.root, exist_ok=True)
+        fname = res.fname + ".gz"
+        dest = os.path.join(self.root, fname)
+        errors = []
+        for mirror in self.mirrors:
+            url = mirror.rstrip("/") + "/" + fname
+            tmp = None
+            try:
+                tmp = self._fetch(url, fname)
+                with open(tmp, "rb") as f:
+                    raw = f.read()
+                res.verify(raw, f"{fname} from {url}", downloaded=True)
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, dest)
+                tmp = None
+                return dest
+            except (OSError, DatasetError, ValueError) as exc:
+                # urllib errors are OSErrors; http.client.IncompleteRead is an HTTPException
+                errors.append(f"  {url}: {type(exc).__name__}: {exc}")
+            except Exception as exc:  # http.client.HTTPException and friends
+                errors.append(f"  {url}: {type(exc).__name__}: {exc}")
+            finally:
+                if tmp is not None:
+                    try:
+                        os.remove(tmp)
+                    except OSError:
+                        pass
+        raise DatasetError(f"{type(self).__name__}: could not download a valid {fname} into "
+                           f"{self.root}; tried {len(self.mirrors)} mirror(s):\n"
+                           + "\n".join(errors))
+
+    def _fetch(self, url, fname):
+        """Stream ``url`` to a temp file in root; returns its path (caller removes it)."""
+        import tempfile
+        fd, tmp = tempfile.mkstemp(prefix=f".{fname}.", suffix=".part", dir=self.root)
+        try:
+            req = urllib.request.Request(url, headers={"User-Agent": "hybridl"})
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp, \
+                    os.fdopen(fd, "wb") as out:
+                fd = None
+                expected = resp.headers.get("Content-Length")
+                got = 0
+                while True:
+                    chunk = resp.read(1 << 20)
+                    if not chunk:
+                        break
+                    out.write(chunk)
+                    got += len(chunk)
+            if expected is not None and got != int(expected):
+                raise DatasetError(f"{fname} from {url}: truncated download, got {got} bytes "
+                                   f"of {int(expected)}")
+            return tmp
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+            raise
+
+
+_MNIST_MIRRORS = (
+    "https://ossci-datasets.s3.amazonaws.com/mnist/",
+    "https://storage.googleapis.com/cvdf-datasets/mnist/",
+    "http://yann.lecun.com/exdb/mnist/",
+)
+
+_FASHION_MIRRORS = (
+    "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
+)
+
+
+class MNIST(_IDXImageDataset):
+    """MNIST handwritten digits (LeCun, Bottou, Bengio & Haffner, 1998).
+
+    Args:
+        root: folder holding the IDX files ``train-images-idx3-ubyte.gz``,
+            ``train-labels-idx1-ubyte.gz``, ``t10k-images-idx3-ubyte.gz``,
+            ``t10k-labels-idx1-ubyte.gz`` (uncompressed copies without ``.gz`` are accepted).
+            Default ``$HYBRIDL_DATA/mnist``, else ``~/.hybridl/datasets/mnist``.
+        train: True: the 60,000 training images; False: the 10,000 test images.
+        download: fetch the files of the requested split that are missing from ``root``.
+            Each file is streamed to a temp file in ``root``, verified (size vs.
+            Content-Length, gzip integrity, IDX structure, MD5) and only then moved into
+            place with ``os.replace``; on failure the temp file is removed and the next mirror
+            is tried.
+        mirrors: base URLs tried in order (default: the usual public mirrors).
+        timeout: per-request network timeout in seconds.
+
+    Samples: ``(image float32 (1, 28, 28) in [0, 1], label int32)``.
+    Attributes: ``images`` float32 ``(N, 1, 28, 28)``, ``labels`` int32 ``(N,)``.
+
+    Verification: MD5 of the decompressed files against the official values. Parsed arrays
+    are cached per process (keyed by path, size and mtime).
+
+    Raises:
+        FileNotFoundError: a file is missing and ``download`` is False (says where it looked
+            and how to fix it).
+        DatasetError: a file is corrupt (names the file), or no mirror delivered a valid copy
+            (names each URL and its error).
+    """
+
+    name = "mnist"
+    default_mirrors = _MNIST_MIRRORS
+    classes = tuple(str(i) for i in range(10))
+    resources = {
+        "train": (_Resource("train-images-idx3-ubyte", (60000, 28, 28),
+                            md5="6bbc9ace898e44ae57da46a324031adb"),
+                  _Resource("train-labels-idx1-ubyte", (60000,),
+                            md5="a25bea736e30d166cdddb491f175f624")),
+        "test": (_Resource("t10k-images-idx3-ubyte", (10000, 28, 28),
+                           md5="2646ac647ad5339dbf082846283269ea"),
+                 _Resource("t10k-labels-idx1-ubyte", (10000,),
+                           md5="27ae3e4e09519cfbb04c329615203637")),
+    }
+
+
+class FashionMNIST(_IDXImageDataset):
+    """Fashion-MNIST clothing images (Xiao, Rasul & Vollgraf, 2017), MNIST's file layout.
+
+    Same arguments, file names, shapes and errors as :class:`MNIST`; default root
+    ``$HYBRIDL_DATA/fashion-mnist``, else ``~/.hybridl/datasets/fashion-mnist``.
+
+    Verification: Zalando publishes the MD5 of the ``.gz`` files only, so a *download* is
+    checked against those (mirrors must serve the official ``.gz``); files already on disk are
+    checked structurally (IDX magic, dims vs. size, 60,000/10,000 x 28 x 28, uint8).
+
+    Classes: T-shirt/top, Trouser, Pullover, Dress, Coat, Sandal, Shirt, Sneaker, Bag,
+    Ankle boot.
+    """
+
+    name = "fashion-mnist"
+    default_mirrors = _FASHION_MIRRORS
+    classes = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
+               "Sneaker", "Bag", "Ankle boot")
+    resources = {
+        "train": (_Resource("train-images-idx3-ubyte", (60000, 28, 28),
+                            gz_md5="8d4fb7e6c68d591d4c3dfef9ec88bf0d"),
+                  _Resource("train-labels-idx1-ubyte", (60000,),
+                            gz_md5="25c81989df183df01b3e8a0aad5dffbe")),
+        "test": (_Resource("t10k-images-idx3-ubyte", (10000, 28, 28),
+                           gz_md5="bef4ecab320f06d8554ea6380940ec79"),
+                 _Resource("t10k-labels-idx1-ubyte", (10000,),
+                           gz_md5="bb300cfdad3c16e7a12a480ee83cd310")),
+    }
