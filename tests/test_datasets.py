@@ -1,0 +1,312 @@
+"""Tests for hybridl.data.vision: Digits, MNIST / Fashion-MNIST files, download path (offline)."""
+
+import functools
+import gzip
+import hashlib
+import http.server
+import os
+import shutil
+import threading
+
+import numpy as np
+import pytest
+
+from hybridl.data import MNIST, DatasetError, Digits, FashionMNIST
+from hybridl.data.vision import DIGITS_NUM_TEST, DIGITS_NUM_TRAIN, parse_idx
+
+
+# ------------------------------------------------------------------------------------------------
+# Digits
+# ------------------------------------------------------------------------------------------------
+
+def test_digits_split_and_values():
+    tr, te = Digits(train=True), Digits(train=False)
+    assert (len(tr), len(te)) == (1438, 359) == (DIGITS_NUM_TRAIN, DIGITS_NUM_TEST)
+    assert len(tr) + len(te) == 1797
+    for ds in (tr, te):
+        assert ds.images.shape == (len(ds), 1, 8, 8) and ds.images.dtype == np.float32
+        assert ds.labels.shape == (len(ds),) and ds.labels.dtype == np.int32
+        assert ds.images.min() == 0.0 and ds.images.max() == 1.0
+        x, y = ds[0]
+        assert x.shape == (1, 8, 8) and x.dtype == np.float32
+    assert sorted(set(te.labels.tolist())) == list(range(10))
+    np.testing.assert_array_equal(np.bincount(te.labels), [36, 36, 35, 37, 36, 36, 36, 36, 35, 36])
+    # the split is a partition of sklearn's 1,797 images, stratified ~20% per class
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    allimg = np.concatenate([tr.images, te.images]).reshape(1797, 64) * 16
+    key = lambda a: sorted(map(bytes, np.round(a).astype(np.uint8)))  # noqa: E731
+    assert key(allimg) == key(d.data)
+    total = np.bincount(d.target)
+    np.testing.assert_array_equal(np.bincount(tr.labels) + np.bincount(te.labels), total)
+    np.testing.assert_array_equal(np.bincount(te.labels), np.round(0.2 * total).astype(int))
+    # deterministic
+    np.testing.assert_array_equal(Digits(train=False).labels, te.labels)
+
+
+# ------------------------------------------------------------------------------------------------
+# MNIST from the shared folder
+# ------------------------------------------------------------------------------------------------
+
+FILES = ["train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
+         "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"]
+TEST_FILES = FILES[2:]
+TRAIN_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
+TEST_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+
+
+def _shared_mnist():
+    cands = []
+    if os.environ.get("HYBRIDL_DATA"):
+        cands.append(os.path.join(os.environ["HYBRIDL_DATA"], "mnist"))
+    cands.append("/work/shared/datasets/mnist")
+    for c in cands:
+        if all(os.path.isfile(os.path.join(c, f)) for f in FILES):
+            return c
+    return None
+
+
+SHARED = _shared_mnist()
+needs_mnist = pytest.mark.skipif(SHARED is None, reason="shared MNIST folder not available")
+
+
+@needs_mnist
+def test_mnist_shared_folder():
+    tr = MNIST(root=SHARED, train=True)
+    te = MNIST(root=SHARED, train=False)
+    assert tr.images.shape == (60000, 1, 28, 28) and te.images.shape == (10000, 1, 28, 28)
+    assert tr.images.dtype == np.float32 and tr.labels.dtype == np.int32
+    assert tr.images.min() == 0.0 and tr.images.max() == 1.0
+    np.testing.assert_array_equal(np.bincount(tr.labels), TRAIN_COUNTS)
+    np.testing.assert_array_equal(np.bincount(te.labels), TEST_COUNTS)
+    # the decompressed bytes are the official files (independent check of the verified md5s)
+    with gzip.open(os.path.join(SHARED, "t10k-labels-idx1-ubyte.gz"), "rb") as f:
+        assert hashlib.md5(f.read()).hexdigest() == "27ae3e4e09519cfbb04c329615203637"
+    x, y = te[0]
+    assert x.shape == (1, 28, 28) and int(y) == 7  # the famous first test digit
+
+
+@needs_mnist
+def test_mnist_default_root_from_env(monkeypatch):
+    monkeypatch.setenv("HYBRIDL_DATA", os.path.dirname(SHARED))
+    if os.path.basename(SHARED) != "mnist":
+        pytest.skip("shared folder not named mnist")
+    te = MNIST(train=False)
+    assert te.root == SHARED and len(te) == 10000
+
+
+def test_missing_files_message(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError) as ei:
+        MNIST(root=str(tmp_path), train=False)
+    msg = str(ei.value)
+    assert str(tmp_path) in msg and "t10k-images-idx3-ubyte.gz" in msg
+    assert "download=True" in msg and "HYBRIDL_DATA" in msg
+    monkeypatch.setenv("HYBRIDL_DATA", str(tmp_path / "data"))
+    with pytest.raises(FileNotFoundError, match=r"fashion-mnist"):
+        FashionMNIST(train=True)
+
+
+def _copy_test_split(dst):
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in TEST_FILES:
+        shutil.copy(os.path.join(SHARED, f), dst / f)
+    return dst
+
+
+@needs_mnist
+def test_mnist_truncated_copy(tmp_path):
+    root = _copy_test_split(tmp_path / "m")
+    p = root / "t10k-images-idx3-ubyte.gz"
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DatasetError, match=r"t10k-images-idx3-ubyte\.gz.*(corrupt|truncated)"):
+        MNIST(root=str(root), train=False)
+
+
+@needs_mnist
+def test_mnist_altered_copy(tmp_path):
+    root = _copy_test_split(tmp_path / "m")
+    p = root / "t10k-labels-idx1-ubyte.gz"
+    raw = bytearray(gzip.decompress(p.read_bytes()))
+    raw[100] = (raw[100] + 1) % 10  # still a valid IDX file with valid labels: only md5 catches it
+    p.write_bytes(gzip.compress(bytes(raw)))
+    with pytest.raises(DatasetError, match=r"t10k-labels-idx1-ubyte\.gz.*MD5.*27ae3e4e"):
+        MNIST(root=str(root), train=False)
+    # an uncompressed copy is accepted too
+    p.unlink()
+    (root / "t10k-labels-idx1-ubyte").write_bytes(
+        gzip.decompress((open(os.path.join(SHARED, TEST_FILES[1]), "rb").read())))
+    assert len(MNIST(root=str(root), train=False)) == 10000
+
+
+def _idx(arr):
+    arr = np.ascontiguousarray(arr, dtype=np.uint8)
+    head = bytes([0, 0, 0x08, arr.ndim]) + np.array(arr.shape, dtype=">u4").tobytes()
+    return head + arr.tobytes()
+
+
+def test_parse_idx_errors():
+    a = np.arange(24, dtype=np.uint8).reshape(2, 3, 4)
+    np.testing.assert_array_equal(parse_idx(_idx(a)), a)
+    b = _idx(a)
+    with pytest.raises(DatasetError, match=r"f\.idx.*magic"):
+        parse_idx(b"\x01\x02" + b[2:], "f.idx")
+    with pytest.raises(DatasetError, match=r"f\.idx.*size mismatch.*truncated"):
+        parse_idx(b[:-1], "f.idx")
+    with pytest.raises(DatasetError, match=r"f\.idx.*trailing"):
+        parse_idx(b + b"\x00", "f.idx")
+    with pytest.raises(DatasetError, match=r"f\.idx.*header"):
+        parse_idx(b[:9], "f.idx")
+
+
+def _fake_fashion(root, n=10000, bad_dims=False):
+    rng = np.random.default_rng(0)
+    root.mkdir(parents=True, exist_ok=True)
+    side = 27 if bad_dims else 28
+    imgs = rng.integers(0, 256, (n, side, side)).astype(np.uint8)
+    lbls = (np.arange(n) % 10).astype(np.uint8)
+    (root / "t10k-images-idx3-ubyte.gz").write_bytes(gzip.compress(_idx(imgs), 1))
+    (root / "t10k-labels-idx1-ubyte.gz").write_bytes(gzip.compress(_idx(lbls), 1))
+    return imgs, lbls
+
+
+def test_fashion_structural_check(tmp_path):
+    imgs, lbls = _fake_fashion(tmp_path / "ok")
+    ds = FashionMNIST(root=str(tmp_path / "ok"), train=False)
+    assert ds.images.shape == (10000, 1, 28, 28) and ds.labels.dtype == np.int32
+    np.testing.assert_allclose(ds.images[:, 0], imgs / 255.0, rtol=1e-6)
+    np.testing.assert_array_equal(ds.labels, lbls)
+    assert len(FashionMNIST.classes) == 10
+    _fake_fashion(tmp_path / "bad", bad_dims=True)
+    with pytest.raises(DatasetError, match=r"t10k-images-idx3-ubyte\.gz.*shape \(10000, 28, 28\)"):
+        FashionMNIST(root=str(tmp_path / "bad"), train=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# Download path, offline (local HTTP server on 127.0.0.1)
+# ------------------------------------------------------------------------------------------------
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+class _Liar(_Quiet):
+    """Announces the full Content-Length but sends only half of the body, then hangs up."""
+
+    def do_GET(self):
+        path = self.translate_path(self.path)
+        if not os.path.isfile(path):
+            self.send_error(404)
+            return
+        data = open(path, "rb").read()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data[: len(data) // 2])
+        self.wfile.flush()
+        self.close_connection = True
+
+
+@pytest.fixture
+def serve():
+    servers = []
+
+    def start(directory, handler=_Quiet):
+        h = functools.partial(handler, directory=str(directory))
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), h)
+        srv.daemon_threads = True
+        t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05},
+                             daemon=True)
+        t.start()
+        servers.append(srv)
+        return f"http://127.0.0.1:{srv.server_address[1]}/"
+
+    yield start
+    for srv in servers:
+        srv.shutdown()
+        srv.server_close()
+
+
+@needs_mnist
+def test_download_ok(tmp_path, serve):
+    url = serve(_copy_test_split(tmp_path / "srv"))
+    root = tmp_path / "root"
+    ds = MNIST(root=str(root), train=False, download=True, mirrors=[url], timeout=10)
+    assert ds.images.shape == (10000, 1, 28, 28)
+    np.testing.assert_array_equal(np.bincount(ds.labels), TEST_COUNTS)
+    assert sorted(os.listdir(root)) == sorted(TEST_FILES)  # no temp files left
+    # files now present: no download needed (the mirror is not contacted)
+    assert len(MNIST(root=str(root), train=False, download=True,
+                     mirrors=["http://127.0.0.1:9/"], timeout=1)) == 10000
+
+
+@needs_mnist
+def test_download_404_falls_through(tmp_path, serve):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    bad = serve(empty)
+    good = serve(_copy_test_split(tmp_path / "srv"))
+    root = tmp_path / "root"
+    ds = MNIST(root=str(root), train=False, download=True, mirrors=[bad, good], timeout=10)
+    assert len(ds) == 10000
+    assert sorted(os.listdir(root)) == sorted(TEST_FILES)
+
+
+@needs_mnist
+def test_download_truncated_file(tmp_path, serve):
+    srv = _copy_test_split(tmp_path / "srv")
+    for f in TEST_FILES:
+        p = srv / f
+        p.write_bytes(p.read_bytes()[:-200])  # served consistently, just short
+    url = serve(srv)
+    root = tmp_path / "root"
+    with pytest.raises(DatasetError) as ei:
+        MNIST(root=str(root), train=False, download=True, mirrors=[url], timeout=10)
+    msg = str(ei.value)
+    assert "t10k-images-idx3-ubyte.gz" in msg and url in msg
+    assert "truncated" in msg or "corrupt" in msg
+    assert os.listdir(root) == []
+
+
+@needs_mnist
+def test_download_connection_cut(tmp_path, serve):
+    url = serve(_copy_test_split(tmp_path / "srv"), handler=_Liar)
+    root = tmp_path / "root"
+    with pytest.raises(DatasetError, match=r"t10k-images-idx3-ubyte\.gz") as ei:
+        MNIST(root=str(root), train=False, download=True, mirrors=[url], timeout=10)
+    assert url in str(ei.value)
+    assert os.listdir(root) == []
+
+
+@needs_mnist
+def test_download_corrupt_content(tmp_path, serve):
+    srv = _copy_test_split(tmp_path / "srv")
+    p = srv / "t10k-images-idx3-ubyte.gz"
+    raw = bytearray(gzip.decompress(p.read_bytes()))
+    raw[5000] ^= 0xFF
+    p.write_bytes(gzip.compress(bytes(raw), 1))
+    url = serve(srv)
+    root = tmp_path / "root"
+    with pytest.raises(DatasetError, match=r"t10k-images-idx3-ubyte\.gz from .*MD5"):
+        MNIST(root=str(root), train=False, download=True, mirrors=[url], timeout=10)
+    assert os.listdir(root) == []
+
+
+def test_download_fashion_checks_official_gz_md5(tmp_path, serve):
+    _fake_fashion(tmp_path / "srv")  # valid IDX, but not the official .gz
+    url = serve(tmp_path / "srv")
+    root = tmp_path / "root"
+    with pytest.raises(DatasetError, match=r"MD5 of the downloaded \.gz.*bef4ecab"):
+        FashionMNIST(root=str(root), train=False, download=True, mirrors=[url], timeout=10)
+    assert os.listdir(root) == []
+
+
+def test_download_unreachable_mirror(tmp_path):
+    root = tmp_path / "root"
+    with pytest.raises(DatasetError, match=r"127\.0\.0\.1:9/t10k-images"):
+        MNIST(root=str(root), train=False, download=True, mirrors=["http://127.0.0.1:9/"],
+              timeout=2)
+    assert os.listdir(root) == []
+    with pytest.raises(ValueError, match="mirrors"):
+        MNIST(root=str(root), train=False, download=True, mirrors=[])
