@@ -234,15 +234,19 @@ class _IDXImageDataset(ArrayDataset):
             for res in (img_res, lbl_res):
                 if self._find(res) is None:
                     self._download(res)
-        images = self._load(img_res)
-        labels = self._load(lbl_res)
-        if len(images) != len(labels):  # pragma: no cover - shapes already checked
-            raise DatasetError(f"{self.root}: {len(images)} images but {len(labels)} labels")
-        # float32 NCHW in [0, 1]; labels int32
-        self.images = (images.reshape(-1, 1, *images.shape[1:]).astype(np.float32)
-                       * np.float32(1.0 / 255.0))
-        self.labels = labels.astype(np.int32)
+        # float32 NCHW in [0, 1]; labels int32. Shared (read-only) between instances.
+        self.images = self._load(img_res, self._images_to_float)
+        self.labels = self._load(lbl_res, lambda a: a.astype(np.int32))
+        if len(self.images) != len(self.labels):  # pragma: no cover - shapes already checked
+            raise DatasetError(f"{self.root}: {len(self.images)} images but "
+                               f"{len(self.labels)} labels")
         super().__init__(self.images, self.labels)
+
+    @staticmethod
+    def _images_to_float(a):
+        out = a.astype(np.float32).reshape(-1, 1, *a.shape[1:])
+        out *= np.float32(1.0 / 255.0)
+        return out
 
     # -- files -----------------------------------------------------------------------------------
     def _find(self, res):
@@ -253,7 +257,8 @@ class _IDXImageDataset(ArrayDataset):
                 return p
         return None
 
-    def _load(self, res):
+    def _load(self, res, convert):
+        """Read, verify and convert (``convert(uint8 array)``) one file; cached per process."""
         path = self._find(res)
         if path is None:
             raise FileNotFoundError(
@@ -270,7 +275,7 @@ class _IDXImageDataset(ArrayDataset):
             return hit
         with open(path, "rb") as f:
             raw = f.read()
-        arr = res.verify(raw, path)
+        arr = convert(res.verify(raw, path))
         arr.setflags(write=False)
         with _CACHE_LOCK:
             _CACHE[key] = arr
