@@ -119,7 +119,10 @@ class DataLoader:
             construction from ``hybridl.random`` (NumPy's global RNG if unavailable).
         num_shards (int >= 1), shard_index (int in [0, num_shards)): distributed sharding,
             contiguous slices of the permutation, remainder dropped (see module docstring).
-        prefetch (int >= 0; >= 1 if num_workers > 0): batches loaded ahead of the consumer.
+        prefetch (int >= 0; >= 1 if num_workers > 0): batches loaded ahead of the consumer
+            (in flight or ready); each worker loads whole batches, so at most
+            ``min(num_workers, prefetch)`` workers are busy at once. Ignored when
+            ``num_workers == 0``.
         batchify_fn: ``fn(list_of_samples) -> array or tuple of arrays``; default
             :func:`default_batchify_fn`. Giving one disables the whole-batch fast path.
         device: device of the produced NDArrays (passed to ``hybridl.ndarray.array``).

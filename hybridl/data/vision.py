@@ -32,7 +32,6 @@ import gzip
 import hashlib
 import os
 import threading
-import urllib.error
 import urllib.request
 import zlib
 
@@ -299,11 +298,8 @@ class _IDXImageDataset(ArrayDataset):
                 os.replace(tmp, dest)
                 tmp = None
                 return dest
-            except (OSError, DatasetError, ValueError) as exc:
-                # urllib errors are OSErrors; http.client.IncompleteRead is an HTTPException
-                errors.append(f"  {url}: {type(exc).__name__}: {exc}")
-            except Exception as exc:  # http.client.HTTPException and friends
-                errors.append(f"  {url}: {type(exc).__name__}: {exc}")
+            except Exception as exc:  # URLError/HTTPError/timeouts (OSError), HTTPException,
+                errors.append(f"  {url}: {type(exc).__name__}: {exc}")  # DatasetError: next mirror
             finally:
                 if tmp is not None:
                     try:
