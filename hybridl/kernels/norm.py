@@ -1,0 +1,232 @@
+"""Batch normalization and layer normalization kernels in pure NumPy, forward and backward.
+
+Batch norm: Ioffe & Szegedy (2015), "Batch Normalization: Accelerating Deep Network Training by
+Reducing Internal Covariate Shift", Algorithm 1 (forward) and its backward in closed form.
+Layer norm: Ba, Kiros & Hinton (2016), "Layer Normalization".
+
+``var`` is always the *biased* variance (divide by the number of reduced elements), as in both
+papers and in ``torch.nn.functional.batch_norm`` / ``layer_norm`` during training. Computation
+is done in the input dtype (float32 stays float32).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._check import check_float, check_ndim, check_out
+
+__all__ = ["batch_norm_train", "batch_norm_infer", "batch_norm_grad", "layer_norm", "layer_norm_grad"]
+
+
+def _bn_axes(x, axis):
+    check_ndim("x", x, (2, 3, 4, 5), "(N, C, ...)")
+    check_float("x", x)
+    ax = int(axis)
+    if not -x.ndim <= ax < x.ndim:
+        raise ValueError(f"axis: expected an axis of the {x.ndim}-D input x, got {axis}")
+    ax %= x.ndim
+    red = tuple(a for a in range(x.ndim) if a != ax)
+    bshape = [1] * x.ndim
+    bshape[ax] = x.shape[ax]
+    return ax, red, tuple(bshape)
+
+
+def _param(name, p, C, dtype, what):
+    p = np.asarray(p)
+    if p.shape != (C,):
+        raise ValueError(f"{name}: expected shape ({C},) ({what}), got {p.shape}")
+    return p.astype(dtype, copy=False)
+
+
+def batch_norm_train(x, gamma, beta, eps, axis=1):
+    """Training-mode batch normalization (Ioffe & Szegedy 2015, Algorithm 1).
+
+    ``mean = x.mean(red)``, ``var = x.var(red)`` (biased), ``y = gamma * (x - mean) / sqrt(var + eps) + beta``
+    where ``red`` is every axis but ``axis``.
+
+    Parameters
+    ----------
+    x : ndarray (N, C) or (N, C, H, W) (any ndim 2..5), float32/float64.
+    gamma, beta : ndarray (C,) where C = x.shape[axis].
+    eps : float.
+    axis : the channel axis (default 1).
+
+    Returns
+    -------
+    (y, mean, var) : y like x; mean and var of shape (C,), dtype of x.
+
+    Raises ValueError on wrong ndim, non-float x, or gamma/beta not of shape (C,).
+    """
+    x = np.asarray(x)
+    ax, red, bshape = _bn_axes(x, axis)
+    C = x.shape[ax]
+    gamma = _param("gamma", gamma, C, x.dtype, "one scale per channel x.shape[axis]")
+    beta = _param("beta", beta, C, x.dtype, "one shift per channel x.shape[axis]")
+    mean = x.mean(axis=red, keepdims=True)
+    xc = x - mean
+    var = np.mean(np.square(xc), axis=red, keepdims=True)
+    scale = gamma.reshape(bshape) / np.sqrt(var + x.dtype.type(eps))
+    xc *= scale
+    xc += beta.reshape(bshape)
+    return xc, mean.reshape(C), var.reshape(C)
+
+
+def batch_norm_infer(x, gamma, beta, running_mean, running_var, eps, axis=1, *, out=None):
+    """Inference-mode batch normalization with running statistics (Ioffe & Szegedy 2015, Alg. 2):
+    ``y = (x - running_mean) * gamma / sqrt(running_var + eps) + beta``, folded into one
+    scale and one shift per channel.
+
+    Parameters
+    ----------
+    x : ndarray (N, C, ...), float32/float64.
+    gamma, beta, running_mean, running_var : ndarray (C,).
+    eps : float.  axis : channel axis (default 1).
+    out : optional ndarray like x.
+
+    Returns
+    -------
+    y : ndarray like x, dtype of x.
+
+    Raises ValueError on wrong ndim, non-float x, or parameters not of shape (C,).
+    """
+    x = np.asarray(x)
+    ax, red, bshape = _bn_axes(x, axis)
+    C = x.shape[ax]
+    dt = x.dtype
+    gamma = _param("gamma", gamma, C, dt, "one scale per channel")
+    beta = _param("beta", beta, C, dt, "one shift per channel")
+    rm = _param("running_mean", running_mean, C, dt, "one mean per channel")
+    rv = _param("running_var", running_var, C, dt, "one variance per channel")
+    check_out(out, x.shape, dt)
+    scale = gamma / np.sqrt(rv + dt.type(eps))
+    shift = beta - rm * scale
+    y = np.multiply(x, scale.reshape(bshape), out=out)
+    y += shift.reshape(bshape)
+    return y
+
+
+def batch_norm_grad(dy, x, gamma, mean, var, eps, axis=1):
+    """Training-mode batch-norm backward (Ioffe & Szegedy 2015, Sec. 3, closed form):
+
+    with ``m`` = elements per channel, ``xhat = (x - mean) * rstd``, ``rstd = 1/sqrt(var + eps)``:
+    ``dbeta = sum(dy)``, ``dgamma = sum(dy * xhat)``,
+    ``dx = gamma * rstd / m * (m * dy - dbeta - xhat * dgamma)``.
+
+    Parameters
+    ----------
+    dy, x : ndarray of the same shape (N, C, ...), float32/float64.
+    gamma, mean, var : ndarray (C,) — mean/var as returned by ``batch_norm_train``.
+    eps : float.  axis : channel axis.
+
+    Returns
+    -------
+    (dx, dgamma, dbeta) : dx like x; dgamma, dbeta (C,), dtype of x.
+
+    Raises ValueError on shape/ndim/dtype mismatch.
+    """
+    dy = np.asarray(dy)
+    x = np.asarray(x)
+    ax, red, bshape = _bn_axes(x, axis)
+    if dy.shape != x.shape:
+        raise ValueError(f"dy: expected the shape of x {x.shape}, got {dy.shape}")
+    check_float("dy", dy)
+    C = x.shape[ax]
+    dt = x.dtype
+    gamma = _param("gamma", gamma, C, dt, "one scale per channel")
+    mean = _param("mean", mean, C, dt, "batch mean per channel")
+    var = _param("var", var, C, dt, "batch variance per channel")
+    m = x.size // C
+    rstd = (1.0 / np.sqrt(var + dt.type(eps))).astype(dt, copy=False)
+    xhat = x - mean.reshape(bshape)
+    xhat *= rstd.reshape(bshape)
+    dbeta = dy.sum(axis=red)
+    dgamma = np.sum(dy * xhat, axis=red)
+    # dx = gamma*rstd/m * (m*dy - dbeta - xhat*dgamma)
+    xhat *= (dgamma / m).reshape(bshape)
+    dx = dy - xhat
+    dx -= (dbeta / m).reshape(bshape)
+    dx *= (gamma * rstd).reshape(bshape)
+    return dx, dgamma.astype(dt, copy=False), dbeta.astype(dt, copy=False)
+
+
+def _ln_check(x, axis):
+    x = np.asarray(x)
+    check_ndim("x", x, tuple(range(1, 9)), "(..., D)")
+    check_float("x", x)
+    if int(axis) not in (-1, x.ndim - 1):
+        raise ValueError(f"axis: layer_norm normalizes over the last axis only (-1 or {x.ndim - 1}), got {axis}")
+    return x
+
+
+def layer_norm(x, gamma, beta, eps, axis=-1):
+    """Layer normalization over the last axis (Ba, Kiros & Hinton 2016):
+    ``y = gamma * (x - mean) / sqrt(var + eps) + beta`` with mean/var (biased) over axis -1.
+
+    Parameters
+    ----------
+    x : ndarray (..., D), float32/float64.
+    gamma, beta : ndarray (D,).
+    eps : float.  axis : must be the last axis (-1).
+
+    Returns
+    -------
+    (y, mean, var) : y like x; mean and var of shape x.shape[:-1], dtype of x.
+
+    Raises ValueError for non-float x, another axis, or gamma/beta not of shape (D,).
+    """
+    x = _ln_check(x, axis)
+    D = x.shape[-1]
+    gamma = _param("gamma", gamma, D, x.dtype, "x.shape[-1:]")
+    beta = _param("beta", beta, D, x.dtype, "x.shape[-1:]")
+    mean = x.mean(axis=-1, keepdims=True)
+    xc = x - mean
+    var = np.mean(np.square(xc), axis=-1, keepdims=True)
+    xc *= 1.0 / np.sqrt(var + x.dtype.type(eps))
+    xc *= gamma
+    xc += beta
+    return xc, mean[..., 0], var[..., 0]
+
+
+def layer_norm_grad(dy, x, gamma, mean, var, eps, axis=-1):
+    """Layer-norm backward (Ba et al. 2016; the same closed form as batch norm, per row):
+
+    ``xhat = (x - mean) * rstd``, ``g = dy * gamma``,
+    ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` (means over the last axis),
+    ``dgamma = sum(dy * xhat)``, ``dbeta = sum(dy)`` over all leading axes.
+
+    Parameters
+    ----------
+    dy, x : ndarray (..., D), float32/float64, same shape.
+    gamma : ndarray (D,).  mean, var : ndarray x.shape[:-1] (as returned by ``layer_norm``).
+    eps : float.  axis : must be -1.
+
+    Returns
+    -------
+    (dx, dgamma, dbeta) : dx like x; dgamma, dbeta (D,).
+
+    Raises ValueError on shape/ndim/dtype mismatch.
+    """
+    x = _ln_check(x, axis)
+    dy = np.asarray(dy)
+    if dy.shape != x.shape:
+        raise ValueError(f"dy: expected the shape of x {x.shape}, got {dy.shape}")
+    check_float("dy", dy)
+    D = x.shape[-1]
+    dt = x.dtype
+    gamma = _param("gamma", gamma, D, dt, "x.shape[-1:]")
+    mean = np.asarray(mean, dtype=dt)
+    var = np.asarray(var, dtype=dt)
+    if mean.shape != x.shape[:-1] or var.shape != x.shape[:-1]:
+        raise ValueError(
+            f"mean/var: expected shape {x.shape[:-1]} (x.shape[:-1]), got {mean.shape} and {var.shape}"
+        )
+    rstd = (1.0 / np.sqrt(var + dt.type(eps)))[..., None].astype(dt, copy=False)
+    xhat = (x - mean[..., None]) * rstd
+    lead = tuple(range(x.ndim - 1))
+    dbeta = dy.sum(axis=lead)
+    dgamma = np.sum(dy * xhat, axis=lead)
+    g = dy * gamma
+    dx = g - g.mean(axis=-1, keepdims=True)
+    dx -= xhat * np.mean(g * xhat, axis=-1, keepdims=True)
+    dx *= rstd
+    return dx, dgamma.astype(dt, copy=False), dbeta.astype(dt, copy=False)

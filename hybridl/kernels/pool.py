@@ -1,0 +1,283 @@
+"""2-D max and average pooling (NCHW) in pure NumPy, forward and backward.
+
+Every kernel loops only over the KH*KW offsets inside a pooling window, each step one
+vectorised operation on a strided view of the whole batch (no Python loops over pixels or over
+the batch). The common non-overlapping case (kernel == stride, no padding, H and W divisible)
+has a fast path on the reshaped view ``(N, C, H/kh, kh, W/kw, kw)``.
+
+Semantics follow ``torch.nn.functional.max_pool2d`` / ``avg_pool2d`` (ceil_mode=False):
+``OH = (H + 2*ph - kh) // sh + 1``; max pooling pads with -inf and routes each window's gradient
+to ONE position, the first maximum in row-major window order (as PyTorch's CPU kernel and
+Caffe's ``MaxPoolForward`` mask do); overlapping windows accumulate.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._check import check_float, check_ndim, check_out, pair
+
+__all__ = ["max_pool2d", "max_pool2d_grad", "avg_pool2d", "avg_pool2d_grad", "pool2d_output_shape"]
+
+
+def pool2d_output_shape(x_shape, kernel, stride, padding):
+    """Validate pooling arguments and return ``(N, C, OH, OW)``.
+
+    Raises ValueError when x is not 4-D, kernel/stride < 1, padding < 0 or > kernel // 2
+    (PyTorch's rule), or the kernel is larger than the padded input.
+    """
+    if len(x_shape) != 4:
+        raise ValueError(f"x: expected a 4-D array (N, C, H, W), got {len(x_shape)}-D with shape {tuple(x_shape)}")
+    N, C, H, W = (int(s) for s in x_shape)
+    kh, kw = pair("kernel", kernel)
+    sh, sw = pair("stride", stride if stride is not None else kernel)
+    ph, pw = pair("padding", padding)
+    if kh < 1 or kw < 1:
+        raise ValueError(f"kernel: expected positive ints, got {(kh, kw)}")
+    if sh < 1 or sw < 1:
+        raise ValueError(f"stride: expected positive ints, got {(sh, sw)}")
+    if ph < 0 or pw < 0 or ph > kh // 2 or pw > kw // 2:
+        raise ValueError(f"padding: expected 0 <= padding <= kernel // 2 = {(kh // 2, kw // 2)}, got {(ph, pw)}")
+    if kh > H + 2 * ph or kw > W + 2 * pw:
+        raise ValueError(
+            f"kernel: {(kh, kw)} is larger than the padded input {(H + 2 * ph, W + 2 * pw)} "
+            f"(H, W = {H}, {W}, padding {(ph, pw)})"
+        )
+    return N, C, (H + 2 * ph - kh) // sh + 1, (W + 2 * pw - kw) // sw + 1
+
+
+def _args(x_shape, kernel, stride, padding):
+    N, C, OH, OW = pool2d_output_shape(x_shape, kernel, stride, padding)
+    kh, kw = pair("kernel", kernel)
+    sh, sw = pair("stride", stride if stride is not None else kernel)
+    ph, pw = pair("padding", padding)
+    return N, C, OH, OW, kh, kw, sh, sw, ph, pw
+
+
+def _fast(H, W, kh, kw, sh, sw, ph, pw):
+    return kh == sh and kw == sw and ph == 0 and pw == 0 and H % kh == 0 and W % kw == 0
+
+
+def _window(xp, i, j, OH, OW, sh, sw):
+    """Strided view xp[:, :, i + sh*oh, j + sw*ow] of shape (N, C, OH, OW)."""
+    return xp[:, :, i:i + sh * (OH - 1) + 1:sh, j:j + sw * (OW - 1) + 1:sw]
+
+
+def _pad(x, ph, pw, value):
+    if ph == 0 and pw == 0:
+        return x
+    N, C, H, W = x.shape
+    xp = np.full((N, C, H + 2 * ph, W + 2 * pw), value, dtype=x.dtype)
+    xp[:, :, ph:ph + H, pw:pw + W] = x
+    return xp
+
+
+def _check_dy(dy, shape):
+    check_ndim("dy", dy, 4, "(N, C, OH, OW)")
+    if dy.shape != tuple(shape):
+        raise ValueError(f"dy: expected shape {tuple(shape)} (the pooling output shape), got {dy.shape}")
+    check_float("dy", dy)
+
+
+# --------------------------------------------------------------------------------------------
+# max pooling
+# --------------------------------------------------------------------------------------------
+
+def max_pool2d(x, kernel, stride=None, padding=(0, 0), *, out=None):
+    """Max pooling: ``y[n, c, oh, ow] = max_{i<kh, j<kw} xpad[n, c, oh*sh + i, ow*sw + j]``
+    with -inf padding (``torch.nn.functional.max_pool2d``, ceil_mode=False; Caffe ``PoolingLayer``).
+
+    Parameters
+    ----------
+    x : ndarray (N, C, H, W), float32 or float64.
+    kernel, stride, padding : (int, int); stride None means stride = kernel.
+    out : optional ndarray (N, C, OH, OW) of x's dtype.
+
+    Returns
+    -------
+    y : ndarray (N, C, OH, OW), dtype of x.
+
+    Raises ValueError for non-4-D or non-float x, padding > kernel // 2, kernel > padded input.
+    """
+    x = np.asarray(x)
+    N, C, OH, OW, kh, kw, sh, sw, ph, pw = _args(x.shape, kernel, stride, padding)
+    check_float("x", x)
+    check_out(out, (N, C, OH, OW), x.dtype)
+    y = out if out is not None else np.empty((N, C, OH, OW), dtype=x.dtype)
+    H, W = x.shape[2:]
+    if _fast(H, W, kh, kw, sh, sw, ph, pw):
+        xr = x.reshape(N, C, OH, kh, OW, kw)
+        if kh * kw <= 16:
+            np.copyto(y, xr[:, :, :, 0, :, 0])
+            for i in range(kh):
+                for j in range(kw):
+                    if i or j:
+                        np.maximum(y, xr[:, :, :, i, :, j], out=y)
+        else:
+            np.max(xr, axis=(3, 5), out=y)
+        return y
+    xp = _pad(x, ph, pw, -np.inf)
+    np.copyto(y, _window(xp, 0, 0, OH, OW, sh, sw))
+    for i in range(kh):
+        for j in range(kw):
+            if i or j:
+                np.maximum(y, _window(xp, i, j, OH, OW, sh, sw), out=y)
+    return y
+
+
+def max_pool2d_grad(dy, x, y, kernel, stride=None, padding=(0, 0), *, out=None):
+    """Gradient of ``max_pool2d`` w.r.t. x: each window's ``dy`` goes to ONE input position, the
+    first maximum in row-major window order (PyTorch CPU / Caffe argmax-mask semantics);
+    overlapping windows (stride < kernel) accumulate.
+
+    Parameters
+    ----------
+    dy : ndarray (N, C, OH, OW), float32/float64.
+    x : ndarray (N, C, H, W), the forward input.
+    y : ndarray (N, C, OH, OW), the forward output ``max_pool2d(x, ...)``.
+    kernel, stride, padding : as in ``max_pool2d``.
+    out : optional ndarray (N, C, H, W) of dy's dtype.
+
+    Returns
+    -------
+    dx : ndarray (N, C, H, W), dtype of dy.
+
+    Raises ValueError on wrong ndim, shapes or dtypes.
+    """
+    dy = np.asarray(dy)
+    x = np.asarray(x)
+    y = np.asarray(y)
+    N, C, OH, OW, kh, kw, sh, sw, ph, pw = _args(x.shape, kernel, stride, padding)
+    _check_dy(dy, (N, C, OH, OW))
+    if y.shape != (N, C, OH, OW):
+        raise ValueError(f"y: expected shape {(N, C, OH, OW)} (the pooling output shape), got {y.shape}")
+    check_out(out, x.shape, dy.dtype)
+    H, W = x.shape[2:]
+    taken = np.zeros((N, C, OH, OW), dtype=bool)
+    hit = np.empty((N, C, OH, OW), dtype=bool)
+    if _fast(H, W, kh, kw, sh, sw, ph, pw):
+        dx = out if out is not None else np.empty(x.shape, dtype=dy.dtype)
+        xr = x.reshape(N, C, OH, kh, OW, kw)
+        dxr = dx.reshape(N, C, OH, kh, OW, kw) if dx.flags.c_contiguous else None
+        tgt = dxr if dxr is not None else np.empty((N, C, OH, kh, OW, kw), dtype=dy.dtype)
+        last = kh * kw - 1
+        for i in range(kh):
+            for j in range(kw):
+                if i * kw + j == last:
+                    np.logical_not(taken, out=hit)  # the remaining windows must have their max here
+                else:
+                    np.equal(xr[:, :, :, i, :, j], y, out=hit)
+                    hit &= ~taken
+                    taken |= hit
+                np.multiply(dy, hit, out=tgt[:, :, :, i, :, j])
+        if dxr is None:
+            np.copyto(dx, tgt.reshape(x.shape))
+        return dx
+    xp = _pad(x, ph, pw, -np.inf)
+    dxp = np.zeros(xp.shape, dtype=dy.dtype)
+    tmp = np.empty((N, C, OH, OW), dtype=dy.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            np.equal(_window(xp, i, j, OH, OW, sh, sw), y, out=hit)
+            hit &= ~taken
+            taken |= hit
+            np.multiply(dy, hit, out=tmp)
+            _window(dxp, i, j, OH, OW, sh, sw)[...] += tmp
+    dx = out if out is not None else np.empty(x.shape, dtype=dy.dtype)
+    np.copyto(dx, dxp[:, :, ph:ph + H, pw:pw + W])
+    return dx
+
+
+# --------------------------------------------------------------------------------------------
+# average pooling
+# --------------------------------------------------------------------------------------------
+
+def _avg_divisor(H, W, OH, OW, kh, kw, sh, sw, ph, pw, count_include_pad, dtype):
+    """Per-window divisor, broadcastable to (N, C, OH, OW): a scalar or an (OH, OW) array."""
+    if count_include_pad or (ph == 0 and pw == 0):
+        return dtype.type(kh * kw)
+    # number of non-padding rows / cols in each window (PyTorch count_include_pad=False)
+    hs = np.arange(OH) * sh - ph
+    ws = np.arange(OW) * sw - pw
+    rows = np.minimum(hs + kh, H) - np.maximum(hs, 0)
+    cols = np.minimum(ws + kw, W) - np.maximum(ws, 0)
+    return (rows[:, None] * cols[None, :]).astype(dtype)
+
+
+def avg_pool2d(x, kernel, stride=None, padding=(0, 0), count_include_pad=True, *, out=None):
+    """Average pooling: ``y[n, c, oh, ow] = sum_{i<kh, j<kw} xpad[n, c, oh*sh + i, ow*sw + j] / d``
+    with zero padding; ``d = kh*kw`` if count_include_pad else the number of non-padding elements
+    in the window (``torch.nn.functional.avg_pool2d``, ceil_mode=False).
+
+    Parameters
+    ----------
+    x : ndarray (N, C, H, W), float32 or float64.
+    kernel, stride, padding : (int, int); stride None means stride = kernel.
+    count_include_pad : bool.
+    out : optional ndarray (N, C, OH, OW) of x's dtype.
+
+    Returns
+    -------
+    y : ndarray (N, C, OH, OW), dtype of x.
+
+    Raises ValueError for non-4-D or non-float x, padding > kernel // 2, kernel > padded input.
+    """
+    x = np.asarray(x)
+    N, C, OH, OW, kh, kw, sh, sw, ph, pw = _args(x.shape, kernel, stride, padding)
+    check_float("x", x)
+    check_out(out, (N, C, OH, OW), x.dtype)
+    H, W = x.shape[2:]
+    y = out if out is not None else np.empty((N, C, OH, OW), dtype=x.dtype)
+    if _fast(H, W, kh, kw, sh, sw, ph, pw):
+        xr = x.reshape(N, C, OH, kh, OW, kw)
+        np.copyto(y, xr[:, :, :, 0, :, 0])
+        for i in range(kh):
+            for j in range(kw):
+                if i or j:
+                    y += xr[:, :, :, i, :, j]
+    else:
+        xp = _pad(x, ph, pw, 0)
+        np.copyto(y, _window(xp, 0, 0, OH, OW, sh, sw))
+        for i in range(kh):
+            for j in range(kw):
+                if i or j:
+                    y += _window(xp, i, j, OH, OW, sh, sw)
+    y /= _avg_divisor(H, W, OH, OW, kh, kw, sh, sw, ph, pw, count_include_pad, x.dtype)
+    return y
+
+
+def avg_pool2d_grad(dy, x_shape, kernel, stride=None, padding=(0, 0), count_include_pad=True, *, out=None):
+    """Gradient of ``avg_pool2d`` w.r.t. x: every input position in a window receives ``dy / d``
+    (``d`` as in the forward); overlapping windows accumulate; padding is cropped off.
+
+    Parameters
+    ----------
+    dy : ndarray (N, C, OH, OW), float32/float64.
+    x_shape : (N, C, H, W).
+    kernel, stride, padding, count_include_pad : as in ``avg_pool2d``.
+    out : optional ndarray x_shape of dy's dtype.
+
+    Returns
+    -------
+    dx : ndarray x_shape, dtype of dy.
+
+    Raises ValueError on wrong ndim, shapes or dtypes.
+    """
+    dy = np.asarray(dy)
+    x_shape = tuple(int(s) for s in x_shape)
+    N, C, OH, OW, kh, kw, sh, sw, ph, pw = _args(x_shape, kernel, stride, padding)
+    _check_dy(dy, (N, C, OH, OW))
+    check_out(out, x_shape, dy.dtype)
+    H, W = x_shape[2:]
+    g = dy / _avg_divisor(H, W, OH, OW, kh, kw, sh, sw, ph, pw, count_include_pad, dy.dtype)
+    dx = out if out is not None else np.empty(x_shape, dtype=dy.dtype)
+    if _fast(H, W, kh, kw, sh, sw, ph, pw) and dx.flags.c_contiguous:
+        dxr = dx.reshape(N, C, OH, kh, OW, kw)
+        np.copyto(dxr, g[:, :, :, None, :, None])
+        return dx
+    dxp = np.zeros((N, C, H + 2 * ph, W + 2 * pw), dtype=dy.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            _window(dxp, i, j, OH, OW, sh, sw)[...] += g
+    np.copyto(dx, dxp[:, :, ph:ph + H, pw:pw + W])
+    return dx

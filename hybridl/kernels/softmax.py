@@ -1,0 +1,138 @@
+"""Softmax, log-softmax and softmax cross-entropy in pure NumPy (numerically stable).
+
+Stability: subtract the maximum along the axis before exponentiating (the log-sum-exp trick;
+Goodfellow, Bengio & Courville 2016, "Deep Learning", Sec. 4.1). The cross-entropy gradient
+``softmax(z) - onehot(label)`` is the classic result (Bridle 1990; Goodfellow et al. Sec. 6.2.2.3).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._check import check_float, check_ndim, check_out
+
+__all__ = ["softmax", "log_softmax", "softmax_cross_entropy", "softmax_cross_entropy_grad"]
+
+
+def _axis(x, axis):
+    if x.ndim == 0:
+        raise ValueError("x: expected an array with at least 1 dimension, got a 0-D array")
+    ax = int(axis)
+    if not -x.ndim <= ax < x.ndim:
+        raise ValueError(f"axis: expected an axis of the {x.ndim}-D input x, got {axis}")
+    return ax
+
+
+def softmax(x, axis=-1, *, out=None):
+    """``softmax(x)_i = exp(x_i - max(x)) / sum_j exp(x_j - max(x))`` along ``axis``.
+
+    Parameters
+    ----------
+    x : ndarray (any shape, ndim >= 1), float32/float64.  axis : int.
+    out : optional ndarray like x.
+
+    Returns
+    -------
+    ndarray like x, dtype of x; sums to 1 along ``axis``.
+
+    Raises ValueError for a 0-D or non-float x, or an invalid axis.
+    """
+    x = np.asarray(x)
+    ax = _axis(x, axis)
+    check_float("x", x)
+    check_out(out, x.shape, x.dtype)
+    e = np.subtract(x, x.max(axis=ax, keepdims=True), out=out)
+    np.exp(e, out=e)
+    e /= e.sum(axis=ax, keepdims=True)
+    return e
+
+
+def log_softmax(x, axis=-1, *, out=None):
+    """``log_softmax(x) = (x - max) - log(sum(exp(x - max)))`` along ``axis`` (log-sum-exp trick).
+
+    Parameters
+    ----------
+    x : ndarray (ndim >= 1), float32/float64.  axis : int.  out : optional ndarray like x.
+
+    Returns
+    -------
+    ndarray like x, dtype of x.
+
+    Raises ValueError for a 0-D or non-float x, or an invalid axis.
+    """
+    x = np.asarray(x)
+    ax = _axis(x, axis)
+    check_float("x", x)
+    check_out(out, x.shape, x.dtype)
+    s = np.subtract(x, x.max(axis=ax, keepdims=True), out=out)
+    s -= np.log(np.exp(s).sum(axis=ax, keepdims=True))
+    return s
+
+
+def _ce_check(logits, labels):
+    logits = np.asarray(logits)
+    labels = np.asarray(labels)
+    check_ndim("logits", logits, 2, "(N, K)")
+    check_float("logits", logits)
+    check_ndim("labels", labels, 1, "(N,) of integer class indices")
+    if labels.dtype.kind not in "iu":
+        raise ValueError(f"labels: expected an integer dtype, got {labels.dtype}")
+    N, K = logits.shape
+    if labels.shape[0] != N:
+        raise ValueError(f"labels: expected shape ({N},) to match logits.shape[0], got {labels.shape}")
+    if N and (labels.min() < 0 or labels.max() >= K):
+        raise ValueError(f"labels: expected class indices in [0, {K}), got min {labels.min()}, max {labels.max()}")
+    return logits, labels
+
+
+def softmax_cross_entropy(logits, labels, *, out=None):
+    """Per-sample softmax cross-entropy: ``loss_n = logsumexp(logits[n]) - logits[n, labels[n]]``
+    (= ``-log_softmax(logits)[n, labels[n]]``; ``torch.nn.functional.cross_entropy(reduction='none')``).
+
+    Parameters
+    ----------
+    logits : ndarray (N, K), float32/float64.
+    labels : ndarray (N,), integer in [0, K).
+    out : optional ndarray (N,) of logits' dtype.
+
+    Returns
+    -------
+    loss : ndarray (N,), dtype of logits.
+
+    Raises ValueError on wrong ndim, non-integer labels, N mismatch or labels out of range.
+    """
+    logits, labels = _ce_check(logits, labels)
+    N = logits.shape[0]
+    check_out(out, (N,), logits.dtype)
+    m = logits.max(axis=1)
+    lse = np.log(np.exp(logits - m[:, None]).sum(axis=1))
+    lse += m
+    return np.subtract(lse, logits[np.arange(N), labels], out=out)
+
+
+def softmax_cross_entropy_grad(dloss, logits, labels, *, out=None):
+    """Gradient of ``softmax_cross_entropy`` w.r.t. logits:
+    ``dlogits[n] = dloss[n] * (softmax(logits[n]) - onehot(labels[n]))``.
+
+    Parameters
+    ----------
+    dloss : ndarray (N,) (or a scalar, broadcast), float.
+    logits : ndarray (N, K), float32/float64.  labels : ndarray (N,), integer.
+    out : optional ndarray (N, K) of logits' dtype.
+
+    Returns
+    -------
+    dlogits : ndarray (N, K), dtype of logits.
+
+    Raises ValueError on wrong shapes/dtypes (as ``softmax_cross_entropy``).
+    """
+    logits, labels = _ce_check(logits, labels)
+    N, K = logits.shape
+    dloss = np.asarray(dloss)
+    if dloss.shape not in ((N,), ()):
+        raise ValueError(f"dloss: expected shape ({N},) (one per sample), got {dloss.shape}")
+    check_out(out, (N, K), logits.dtype)
+    p = softmax(logits, axis=1, out=out)
+    p[np.arange(N), labels] -= 1
+    p *= dloss.astype(logits.dtype, copy=False)[..., None] if dloss.ndim else logits.dtype.type(dloss)
+    return p

@@ -1,0 +1,443 @@
+"""Tests of hybridl.kernels: forward against naive loop references (float64), gradients against
+central finite differences of the scalar sum(dy * f(x)), dtype preservation, error messages,
+and (when torch is installed) agreement with torch.nn.functional."""
+
+import numpy as np
+import pytest
+
+from hybridl import kernels as K
+
+RNG = np.random.default_rng(1234)
+
+
+# ------------------------------------------------------------------------------------------
+# naive references
+# ------------------------------------------------------------------------------------------
+
+def ref_conv2d(x, w, b, stride, padding, dilation, groups):
+    N, C, H, W = x.shape
+    O, Cg, KH, KW = w.shape
+    sh, sw = stride
+    ph, pw = padding
+    dh, dw = dilation
+    xp = np.zeros((N, C, H + 2 * ph, W + 2 * pw))
+    xp[:, :, ph:ph + H, pw:pw + W] = x
+    OH = (H + 2 * ph - dh * (KH - 1) - 1) // sh + 1
+    OW = (W + 2 * pw - dw * (KW - 1) - 1) // sw + 1
+    Og = O // groups
+    y = np.zeros((N, O, OH, OW))
+    for n in range(N):
+        for o in range(O):
+            g = o // Og
+            for oh in range(OH):
+                for ow in range(OW):
+                    s = 0.0 if b is None else b[o]
+                    for c in range(Cg):
+                        for i in range(KH):
+                            for j in range(KW):
+                                s += w[o, c, i, j] * xp[n, g * Cg + c, oh * sh + i * dh, ow * sw + j * dw]
+                    y[n, o, oh, ow] = s
+    return y
+
+
+def ref_pool(x, kernel, stride, padding, mode, count_include_pad=True):
+    N, C, H, W = x.shape
+    kh, kw = kernel
+    sh, sw = stride
+    ph, pw = padding
+    OH = (H + 2 * ph - kh) // sh + 1
+    OW = (W + 2 * pw - kw) // sw + 1
+    y = np.zeros((N, C, OH, OW))
+    for n in range(N):
+        for c in range(C):
+            for oh in range(OH):
+                for ow in range(OW):
+                    vals, cnt = [], 0
+                    for i in range(kh):
+                        for j in range(kw):
+                            h, w_ = oh * sh - ph + i, ow * sw - pw + j
+                            inside = 0 <= h < H and 0 <= w_ < W
+                            if mode == "max":
+                                vals.append(x[n, c, h, w_] if inside else -np.inf)
+                            else:
+                                vals.append(x[n, c, h, w_] if inside else 0.0)
+                                cnt += inside
+                    if mode == "max":
+                        y[n, c, oh, ow] = max(vals)
+                    else:
+                        y[n, c, oh, ow] = sum(vals) / (kh * kw if count_include_pad else cnt)
+    return y
+
+
+def numgrad(f, x, dy, eps=1e-6):
+    """Central finite difference of s(x) = sum(dy * f(x)) w.r.t. x (float64)."""
+    g = np.zeros_like(x)
+    flat, gf = x.reshape(-1), g.reshape(-1)
+    for k in range(flat.size):
+        old = flat[k]
+        flat[k] = old + eps
+        sp = np.sum(dy * f(x))
+        flat[k] = old - eps
+        sm = np.sum(dy * f(x))
+        flat[k] = old
+        gf[k] = (sp - sm) / (2 * eps)
+    return g
+
+
+def close(a, b, tol=1e-6):
+    np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+
+
+CONV_CASES = [
+    # (N, C, H, W, O, KH, KW, stride, padding, dilation, groups)
+    (2, 3, 7, 6, 4, 3, 3, (1, 1), (0, 0), (1, 1), 1),
+    (2, 3, 7, 9, 4, 3, 2, (1, 1), (1, 0), (1, 1), 1),
+    (2, 2, 9, 8, 3, 3, 3, (2, 2), (1, 1), (1, 1), 1),
+    (1, 2, 9, 10, 2, 3, 2, (1, 2), (2, 1), (2, 2), 1),
+    (2, 4, 8, 7, 6, 3, 3, (2, 1), (1, 2), (2, 1), 2),
+    (1, 1, 10, 10, 3, 5, 5, (1, 1), (2, 2), (1, 1), 1),
+    (2, 4, 5, 5, 4, 1, 1, (1, 1), (0, 0), (1, 1), 4),
+    (1, 2, 4, 13, 2, 2, 5, (3, 2), (0, 2), (1, 1), 1),
+]
+
+
+# ------------------------------------------------------------------------------------------
+# conv
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", CONV_CASES)
+def test_conv2d_forward_matches_naive(case):
+    N, C, H, W, O, KH, KW, s, p, d, g = case
+    x = RNG.standard_normal((N, C, H, W))
+    w = RNG.standard_normal((O, C // g, KH, KW))
+    b = RNG.standard_normal(O)
+    close(K.conv2d(x, w, b, s, p, d, g), ref_conv2d(x, w, b, s, p, d, g), 1e-10)
+    close(K.conv2d(x, w, None, s, p, d, g), ref_conv2d(x, w, None, s, p, d, g), 1e-10)
+
+
+@pytest.mark.parametrize("case", CONV_CASES)
+def test_conv2d_grads_finite_difference(case):
+    N, C, H, W, O, KH, KW, s, p, d, g = case
+    x = RNG.standard_normal((N, C, H, W))
+    w = RNG.standard_normal((O, C // g, KH, KW))
+    y = K.conv2d(x, w, None, s, p, d, g)
+    dy = RNG.standard_normal(y.shape)
+    dx = K.conv2d_grad_input(dy, w, x.shape, s, p, d, g)
+    dw = K.conv2d_grad_weight(dy, x, w.shape, s, p, d, g)
+    close(dx, numgrad(lambda t: K.conv2d(t, w, None, s, p, d, g), x.copy(), dy), 1e-6)
+    close(dw, numgrad(lambda t: K.conv2d(x, t, None, s, p, d, g), w.copy(), dy), 1e-6)
+
+
+def test_im2col_layout():
+    x = RNG.standard_normal((2, 3, 6, 5))
+    cols = K.im2col(x, (3, 2), (2, 1), (1, 0), (1, 2))
+    OH, OW = (6 + 2 - 3) // 2 + 1, (5 - 3) // 1 + 1
+    assert cols.shape == (2, 3 * 3 * 2, OH * OW)
+    xp = np.pad(x, ((0, 0), (0, 0), (1, 1), (0, 0)))
+    for c in range(3):
+        for i in range(3):
+            for j in range(2):
+                r = (c * 3 + i) * 2 + j
+                for oh in range(OH):
+                    for ow in range(OW):
+                        assert cols[1, r, oh * OW + ow] == xp[1, c, oh * 2 + i, ow + 2 * j]
+    w = RNG.standard_normal((4, 3, 3, 2))
+    close((w.reshape(4, -1) @ cols).reshape(2, 4, OH, OW), K.conv2d(x, w, None, (2, 1), (1, 0), (1, 2)), 1e-12)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_conv2d_dtype_and_out(dtype):
+    x = RNG.standard_normal((3, 2, 8, 8)).astype(dtype)
+    w = RNG.standard_normal((4, 2, 3, 3)).astype(dtype)
+    b = RNG.standard_normal(4).astype(dtype)
+    y = K.conv2d(x, w, b, (1, 1), (1, 1))
+    assert y.dtype == dtype
+    out = np.empty_like(y)
+    assert K.conv2d(x, w, b, (1, 1), (1, 1), out=out) is out
+    close(out, y, 0)
+    dy = RNG.standard_normal(y.shape).astype(dtype)
+    dx = K.conv2d_grad_input(dy, w, x.shape, (1, 1), (1, 1), (1, 1), 1)
+    dw = K.conv2d_grad_weight(dy, x, w.shape, (1, 1), (1, 1), (1, 1), 1)
+    assert dx.dtype == dtype and dw.dtype == dtype
+    outw = np.empty_like(dw)
+    assert K.conv2d_grad_weight(dy, x, w.shape, (1, 1), (1, 1), (1, 1), 1, out=outw) is outw
+    close(outw, dw, 1e-5)
+    ref = ref_conv2d(x.astype(np.float64), w.astype(np.float64), b.astype(np.float64), (1, 1), (1, 1), (1, 1), 1)
+    close(y, ref, 1e-4 if dtype == np.float32 else 1e-10)
+
+
+def test_conv2d_errors():
+    x = np.zeros((2, 3, 5, 5))
+    with pytest.raises(ValueError, match="x: expected a 4-D"):
+        K.conv2d(np.zeros((3, 5, 5)), np.zeros((2, 3, 3, 3)))
+    with pytest.raises(ValueError, match="w: expected a 4-D"):
+        K.conv2d(x, np.zeros((2, 3, 3)))
+    with pytest.raises(ValueError, match=r"w.shape\[1\] == C // groups"):
+        K.conv2d(x, np.zeros((2, 2, 3, 3)))
+    with pytest.raises(ValueError, match="groups"):
+        K.conv2d(x, np.zeros((2, 1, 3, 3)), groups=2)
+    with pytest.raises(ValueError, match="larger than the padded input"):
+        K.conv2d(x, np.zeros((2, 3, 7, 7)), padding=(0, 0))
+    with pytest.raises(ValueError, match="b: expected shape"):
+        K.conv2d(x, np.zeros((2, 3, 3, 3)), np.zeros(3))
+    with pytest.raises(ValueError, match="dy: expected shape"):
+        K.conv2d_grad_input(np.zeros((2, 2, 4, 4)), np.zeros((2, 3, 3, 3)), x.shape)
+    with pytest.raises(ValueError, match="floating"):
+        K.conv2d(x.astype(np.int64), np.zeros((2, 3, 3, 3), dtype=np.int64))
+
+
+# ------------------------------------------------------------------------------------------
+# pooling
+# ------------------------------------------------------------------------------------------
+
+POOL_CASES = [
+    # (shape, kernel, stride, padding)
+    ((2, 3, 8, 6), (2, 2), (2, 2), (0, 0)),  # fast path
+    ((2, 2, 9, 9), (3, 3), (3, 3), (0, 0)),  # fast path, k=3
+    ((2, 2, 7, 9), (3, 3), (2, 2), (1, 1)),  # overlapping, padded
+    ((1, 2, 9, 8), (3, 2), (2, 1), (0, 1)),  # overlapping, non-square
+    ((2, 2, 7, 7), (2, 2), (2, 2), (0, 0)),  # k == s but not divisible
+    ((1, 1, 6, 7), (2, 3), (1, 2), (1, 1)),
+]
+
+
+def _untied(shape):
+    # a permutation of distinct values: no ties inside any window
+    return RNG.permutation(np.prod(shape)).reshape(shape).astype(np.float64) / 7.0 + RNG.random(shape) * 1e-3
+
+
+@pytest.mark.parametrize("shape,k,s,p", POOL_CASES)
+def test_max_pool_forward_and_grad(shape, k, s, p):
+    x = _untied(shape)
+    y = K.max_pool2d(x, k, s, p)
+    close(y, ref_pool(x, k, s, p, "max"), 0)
+    dy = RNG.standard_normal(y.shape)
+    dx = K.max_pool2d_grad(dy, x, y, k, s, p)
+    close(dx, numgrad(lambda t: K.max_pool2d(t, k, s, p), x.copy(), dy, eps=1e-7), 1e-6)
+
+
+def test_max_pool_grad_ties_go_to_first_max():
+    x = np.ones((1, 1, 4, 4))
+    y = K.max_pool2d(x, (2, 2), (2, 2), (0, 0))
+    dx = K.max_pool2d_grad(np.ones_like(y), x, y, (2, 2), (2, 2), (0, 0))
+    expect = np.zeros((4, 4))
+    expect[::2, ::2] = 1
+    close(dx[0, 0], expect, 0)
+    # overlapping windows on a constant input: each window picks its top-left element
+    x = np.ones((1, 1, 5, 5))
+    y = K.max_pool2d(x, (3, 3), (2, 2), (0, 0))
+    dx = K.max_pool2d_grad(np.ones_like(y), x, y, (3, 3), (2, 2), (0, 0))
+    expect = np.zeros((5, 5))
+    expect[0:3:2, 0:3:2] = 1
+    close(dx[0, 0], expect, 0)
+
+
+@pytest.mark.parametrize("shape,k,s,p", POOL_CASES)
+@pytest.mark.parametrize("cip", [True, False])
+def test_avg_pool_forward_and_grad(shape, k, s, p, cip):
+    x = RNG.standard_normal(shape)
+    y = K.avg_pool2d(x, k, s, p, cip)
+    close(y, ref_pool(x, k, s, p, "avg", cip), 1e-12)
+    dy = RNG.standard_normal(y.shape)
+    dx = K.avg_pool2d_grad(dy, x.shape, k, s, p, cip)
+    close(dx, numgrad(lambda t: K.avg_pool2d(t, k, s, p, cip), x.copy(), dy), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_pool_dtypes(dtype):
+    x = RNG.standard_normal((2, 3, 6, 6)).astype(dtype)
+    for k, s, p in [((2, 2), (2, 2), (0, 0)), ((3, 3), (2, 2), (1, 1))]:
+        y = K.max_pool2d(x, k, s, p)
+        assert y.dtype == dtype
+        assert K.max_pool2d_grad(np.ones_like(y), x, y, k, s, p).dtype == dtype
+        a = K.avg_pool2d(x, k, s, p)
+        assert a.dtype == dtype
+        assert K.avg_pool2d_grad(np.ones_like(a), x.shape, k, s, p).dtype == dtype
+
+
+def test_pool_errors():
+    with pytest.raises(ValueError, match="x: expected a 4-D"):
+        K.max_pool2d(np.zeros((3, 4, 4)), (2, 2), (2, 2), (0, 0))
+    with pytest.raises(ValueError, match="kernel"):
+        K.max_pool2d(np.zeros((1, 1, 3, 3)), (5, 5), (1, 1), (0, 0))
+    with pytest.raises(ValueError, match="padding"):
+        K.avg_pool2d(np.zeros((1, 1, 8, 8)), (2, 2), (2, 2), (2, 2))
+    with pytest.raises(ValueError, match="dy: expected shape"):
+        K.avg_pool2d_grad(np.zeros((1, 1, 3, 3)), (1, 1, 8, 8), (2, 2), (2, 2), (0, 0))
+
+
+# ------------------------------------------------------------------------------------------
+# normalization
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(6, 4), (3, 4, 3, 2)])
+def test_batch_norm(shape):
+    x = RNG.standard_normal(shape) * 2 + 1
+    C = shape[1]
+    gamma, beta = RNG.standard_normal(C), RNG.standard_normal(C)
+    eps = 1e-5
+    y, mean, var = K.batch_norm_train(x, gamma, beta, eps)
+    red = tuple(a for a in range(x.ndim) if a != 1)
+    bs = [1] * x.ndim
+    bs[1] = C
+    close(mean, x.mean(red), 1e-12)
+    close(var, x.var(red), 1e-12)
+    close(y, (x - mean.reshape(bs)) / np.sqrt(var.reshape(bs) + eps) * gamma.reshape(bs) + beta.reshape(bs), 1e-10)
+    yi = K.batch_norm_infer(x, gamma, beta, mean, var, eps)
+    close(yi, y, 1e-10)
+    dy = RNG.standard_normal(shape)
+    dx, dg, db = K.batch_norm_grad(dy, x, gamma, mean, var, eps)
+    close(dx, numgrad(lambda t: K.batch_norm_train(t, gamma, beta, eps)[0], x.copy(), dy), 1e-5)
+    close(dg, numgrad(lambda t: K.batch_norm_train(x, t, beta, eps)[0], gamma.copy(), dy), 1e-6)
+    close(db, numgrad(lambda t: K.batch_norm_train(x, gamma, t, eps)[0], beta.copy(), dy), 1e-6)
+
+
+def test_batch_norm_other_axis_and_dtype():
+    x = RNG.standard_normal((5, 3, 4)).astype(np.float32)
+    g, b = np.ones(4, np.float32), np.zeros(4, np.float32)
+    y, m, v = K.batch_norm_train(x, g, b, 1e-5, axis=-1)
+    assert y.dtype == m.dtype == v.dtype == np.float32 and m.shape == (4,)
+    close(y.reshape(-1, 4).mean(0), np.zeros(4), 1e-5)
+    dx, dg, db = K.batch_norm_grad(np.ones_like(x), x, g, m, v, 1e-5, axis=-1)
+    assert dx.dtype == dg.dtype == db.dtype == np.float32
+    with pytest.raises(ValueError, match="gamma: expected shape"):
+        K.batch_norm_train(x, np.ones(3), b, 1e-5, axis=-1)
+    with pytest.raises(ValueError, match="x: expected a"):
+        K.batch_norm_train(np.zeros(3), np.ones(3), np.zeros(3), 1e-5)
+
+
+@pytest.mark.parametrize("shape", [(4, 5), (2, 3, 6)])
+def test_layer_norm(shape):
+    x = RNG.standard_normal(shape) * 3 - 1
+    D = shape[-1]
+    gamma, beta = RNG.standard_normal(D), RNG.standard_normal(D)
+    eps = 1e-5
+    y, mean, var = K.layer_norm(x, gamma, beta, eps)
+    assert mean.shape == shape[:-1]
+    close(y, (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps) * gamma + beta, 1e-10)
+    dy = RNG.standard_normal(shape)
+    dx, dg, db = K.layer_norm_grad(dy, x, gamma, mean, var, eps)
+    close(dx, numgrad(lambda t: K.layer_norm(t, gamma, beta, eps)[0], x.copy(), dy), 1e-5)
+    close(dg, numgrad(lambda t: K.layer_norm(x, t, beta, eps)[0], gamma.copy(), dy), 1e-6)
+    close(db, numgrad(lambda t: K.layer_norm(x, gamma, t, eps)[0], beta.copy(), dy), 1e-6)
+    y32 = K.layer_norm(x.astype(np.float32), gamma.astype(np.float32), beta.astype(np.float32), eps)[0]
+    assert y32.dtype == np.float32
+    with pytest.raises(ValueError, match="axis"):
+        K.layer_norm(x, gamma, beta, eps, axis=0)
+
+
+# ------------------------------------------------------------------------------------------
+# softmax
+# ------------------------------------------------------------------------------------------
+
+def test_softmax_and_log_softmax_stable():
+    x = RNG.standard_normal((4, 7)) * 3
+    ref = np.exp(x) / np.exp(x).sum(-1, keepdims=True)
+    close(K.softmax(x), ref, 1e-12)
+    close(K.log_softmax(x), np.log(ref), 1e-12)
+    close(K.softmax(x, axis=0), np.exp(x) / np.exp(x).sum(0, keepdims=True), 1e-12)
+    big = np.array([[1000.0, 1001.0, -1000.0]], dtype=np.float32)
+    s = K.softmax(big)
+    assert s.dtype == np.float32 and np.all(np.isfinite(s))
+    assert np.all(np.isfinite(K.log_softmax(big)))
+
+
+def test_softmax_cross_entropy():
+    logits = RNG.standard_normal((5, 4)) * 2
+    labels = RNG.integers(0, 4, 5)
+    loss = K.softmax_cross_entropy(logits, labels)
+    close(loss, -np.log(K.softmax(logits))[np.arange(5), labels], 1e-12)
+    dloss = RNG.standard_normal(5)
+    g = K.softmax_cross_entropy_grad(dloss, logits, labels)
+    close(g, numgrad(lambda t: K.softmax_cross_entropy(t, labels), logits.copy(), dloss), 1e-6)
+    l32 = K.softmax_cross_entropy(logits.astype(np.float32), labels)
+    assert l32.dtype == np.float32
+    assert K.softmax_cross_entropy_grad(np.ones(5, np.float32), logits.astype(np.float32), labels).dtype == np.float32
+    with pytest.raises(ValueError, match="labels: expected an integer"):
+        K.softmax_cross_entropy(logits, labels.astype(np.float64))
+    with pytest.raises(ValueError, match="labels: expected class indices"):
+        K.softmax_cross_entropy(logits, np.array([0, 1, 2, 3, 4]))
+    with pytest.raises(ValueError, match="logits: expected a 2-D"):
+        K.softmax_cross_entropy(logits[0], labels)
+
+
+# ------------------------------------------------------------------------------------------
+# against torch.nn.functional (optional)
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", CONV_CASES[:5] + [(4, 1, 28, 28, 6, 5, 5, (1, 1), (2, 2), (1, 1), 1),
+                                                  (4, 6, 14, 14, 16, 5, 5, (1, 1), (0, 0), (1, 1), 1)])
+def test_conv_vs_torch(case):
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    N, C, H, W, O, KH, KW, s, p, d, g = case
+    x = RNG.standard_normal((N, C, H, W))
+    w = RNG.standard_normal((O, C // g, KH, KW))
+    b = RNG.standard_normal(O)
+    tx, tw = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
+    ty = F.conv2d(tx, tw, torch.tensor(b), s, p, d, g)
+    dy = RNG.standard_normal(tuple(ty.shape))
+    ty.backward(torch.tensor(dy))
+    close(K.conv2d(x, w, b, s, p, d, g), ty.detach().numpy(), 1e-10)
+    close(K.conv2d_grad_input(dy, w, x.shape, s, p, d, g), tx.grad.numpy(), 1e-10)
+    close(K.conv2d_grad_weight(dy, x, w.shape, s, p, d, g), tw.grad.numpy(), 1e-10)
+
+
+@pytest.mark.parametrize("shape,k,s,p", POOL_CASES[:4])
+def test_pool_vs_torch(shape, k, s, p):
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    x = _untied(shape)
+    tx = torch.tensor(x, requires_grad=True)
+    ty = F.max_pool2d(tx, k, s, p)
+    dy = RNG.standard_normal(tuple(ty.shape))
+    ty.backward(torch.tensor(dy))
+    y = K.max_pool2d(x, k, s, p)
+    close(y, ty.detach().numpy(), 0)
+    close(K.max_pool2d_grad(dy, x, y, k, s, p), tx.grad.numpy(), 1e-12)
+    for cip in (True, False):
+        tx = torch.tensor(x, requires_grad=True)
+        ty = F.avg_pool2d(tx, k, s, p, count_include_pad=cip)
+        ty.backward(torch.tensor(dy))
+        close(K.avg_pool2d(x, k, s, p, cip), ty.detach().numpy(), 1e-12)
+        close(K.avg_pool2d_grad(dy, x.shape, k, s, p, cip), tx.grad.numpy(), 1e-12)
+
+
+def test_norm_softmax_vs_torch():
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    x = RNG.standard_normal((4, 3, 5, 5))
+    g, b = RNG.standard_normal(3), RNG.standard_normal(3)
+    tx, tg, tb = (torch.tensor(a, requires_grad=True) for a in (x, g, b))
+    ty = F.batch_norm(tx, None, None, tg, tb, training=True, eps=1e-5)
+    dy = RNG.standard_normal(x.shape)
+    ty.backward(torch.tensor(dy))
+    y, m, v = K.batch_norm_train(x, g, b, 1e-5)
+    close(y, ty.detach().numpy(), 1e-10)
+    dx, dg, db = K.batch_norm_grad(dy, x, g, m, v, 1e-5)
+    close(dx, tx.grad.numpy(), 1e-10)
+    close(dg, tg.grad.numpy(), 1e-10)
+    close(db, tb.grad.numpy(), 1e-10)
+
+    x = RNG.standard_normal((3, 4, 6))
+    g, b = RNG.standard_normal(6), RNG.standard_normal(6)
+    tx, tg, tb = (torch.tensor(a, requires_grad=True) for a in (x, g, b))
+    ty = F.layer_norm(tx, (6,), tg, tb, 1e-5)
+    dy = RNG.standard_normal(x.shape)
+    ty.backward(torch.tensor(dy))
+    y, m, v = K.layer_norm(x, g, b, 1e-5)
+    close(y, ty.detach().numpy(), 1e-10)
+    dx, dg, db = K.layer_norm_grad(dy, x, g, m, v, 1e-5)
+    close(dx, tx.grad.numpy(), 1e-10)
+    close(dg, tg.grad.numpy(), 1e-10)
+    close(db, tb.grad.numpy(), 1e-10)
+
+    z = RNG.standard_normal((6, 5))
+    lab = RNG.integers(0, 5, 6)
+    tz = torch.tensor(z, requires_grad=True)
+    tl = F.cross_entropy(tz, torch.tensor(lab), reduction="none")
+    dl = RNG.standard_normal(6)
+    tl.backward(torch.tensor(dl))
+    close(K.softmax_cross_entropy(z, lab), tl.detach().numpy(), 1e-12)
+    close(K.softmax_cross_entropy_grad(dl, z, lab), tz.grad.numpy(), 1e-12)
+    close(K.log_softmax(z, 0), F.log_softmax(torch.tensor(z), 0).numpy(), 1e-12)
