@@ -1,0 +1,35 @@
+"""hybridl: a small deep-learning framework built around computational performance.
+
+    import hybridl as hl
+    x = hl.nd.array([[1., 2.], [3., 4.]])      # async NDArray on hl.cpu(0)
+    y = (x @ x).relu().sum()                    # pushed to the dependency engine, returns at once
+    print(y.item())                             # sync point
+
+See README.md and DESIGN.md for the layers: engine -> ops -> ndarray/autograd -> graph -> nn.
+"""
+import importlib
+
+from . import autograd, engine, nd, random  # noqa: F401
+from .device import Device, cpu, current_device  # noqa: F401
+from .engine import OpError, waitall  # noqa: F401
+from .ndarray import NDArray  # noqa: F401
+
+__version__ = "0.1.0"
+
+_LAZY = {"nn", "init", "loss", "optim", "data", "models", "hardware", "graph", "sym", "parallel",
+         "kv", "distributed", "profiler", "onnx", "kernels"}
+_LAZY_ATTRS = {"Trainer": ("optim", "Trainer"), "jit": ("graph", "jit"),
+               "compile": ("graph", "compile"), "TracingError": ("graph", "TracingError")}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        mod = importlib.import_module(f".{name}", __name__)
+        globals()[name] = mod
+        return mod
+    if name in _LAZY_ATTRS:
+        m, a = _LAZY_ATTRS[name]
+        val = getattr(importlib.import_module(f".{m}", __name__), a)
+        globals()[name] = val
+        return val
+    raise AttributeError(f"module 'hybridl' has no attribute {name!r}")

@@ -1,0 +1,234 @@
+"""Reverse-mode automatic differentiation on a tape of recorded ops.
+
+Inside ``with autograd.record():`` every op whose inputs depend on a variable (an array that
+called :meth:`NDArray.attach_grad`) is recorded as a node (op, attrs, inputs, outputs).
+``y.backward()`` walks the nodes in reverse topological order and calls each op's gradient rule
+(``Op.grad``, written with frontend ops), so the backward pass is pushed to the engine like any
+other code and is asynchronous too. Gradients of several uses of one array are summed.
+
+API (as in MXNet Gluon): ``record(train_mode=True)``, ``pause(train_mode=False)``,
+``is_recording()``, ``is_training()``, ``train_mode()``, ``predict_mode()``,
+``backward(heads, head_grads)``, ``grad(heads, variables, create_graph=False)``.
+"""
+import threading
+
+from .ops.registry import GradCtx
+
+__all__ = ["record", "pause", "is_recording", "is_training", "train_mode", "predict_mode",
+           "backward", "grad", "mark_variables"]
+
+
+class _State(threading.local):
+    recording = False
+    training = False
+
+
+_state = _State()
+
+
+class _Scope:
+    def __init__(self, recording, training):
+        self.rec, self.train = recording, training
+
+    def __enter__(self):
+        self.prev = (_state.recording, _state.training)
+        if self.rec is not None:
+            _state.recording = self.rec
+        if self.train is not None:
+            _state.training = self.train
+        return self
+
+    def __exit__(self, *exc):
+        _state.recording, _state.training = self.prev
+        return False
+
+
+def record(train_mode=True):
+    """Context: record ops for autograd (and, by default, run layers in training mode)."""
+    return _Scope(True, train_mode)
+
+
+def pause(train_mode=False):
+    """Context: stop recording inside a ``record()`` block."""
+    return _Scope(False, train_mode)
+
+
+def train_mode():
+    """Context: layers behave as in training (Dropout active, BatchNorm uses batch statistics)."""
+    return _Scope(None, True)
+
+
+def predict_mode():
+    """Context: layers behave as in inference."""
+    return _Scope(None, False)
+
+
+def is_recording():
+    """Whether ops are being recorded in this thread."""
+    return _state.recording
+
+
+def is_training():
+    """Whether layers run in training mode in this thread."""
+    return _state.training
+
+
+class Node:
+    __slots__ = ("op", "inputs", "outputs", "attrs", "freed")
+
+    def __init__(self, op, inputs, outputs, attrs):
+        self.op, self.inputs, self.outputs, self.attrs = op, inputs, outputs, attrs
+        self.freed = False
+
+
+def record_op(op, inputs, outputs, attrs):
+    """Add a tape node for ``outputs = op(*inputs, **attrs)`` (called by the interpreters)."""
+    node = Node(op, inputs, outputs, attrs)
+    for i, o in enumerate(outputs):
+        o._ag = (node, i)
+
+
+def mark_variables(variables, gradients, grad_reqs="write"):
+    """Attach ``gradients`` buffers to ``variables`` (MXNet's mark_variables)."""
+    if not isinstance(grad_reqs, (list, tuple)):
+        grad_reqs = [grad_reqs] * len(variables)
+    for v, g, r in zip(variables, gradients, grad_reqs):
+        v._grad_req = r
+        v._ag = None
+        v._grad = g
+
+
+def _topo(heads):
+    order, seen = [], set()
+    stack = [(h._ag[0], False) for h in heads if h._ag is not None]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.freed:
+            raise RuntimeError("backward: the graph was already freed by an earlier backward(); "
+                               "pass retain_graph=True to the first backward() to reuse it")
+        stack.append((node, True))
+        for x in node.inputs:
+            if x._ag is not None and id(x._ag[0]) not in seen:
+                stack.append((x._ag[0], False))
+    return order      # inputs before outputs
+
+
+def _run_backward(heads, head_grads, retain_graph, create_graph, wanted=None):
+    from . import ndarray as nd
+    from .ops import math as M
+    heads = list(heads)
+    if head_grads is None:
+        head_grads = [None] * len(heads)
+    grads = {}
+    for h, hg in zip(heads, head_grads):
+        if h._ag is None and h._grad_req == "null":
+            raise ValueError("backward: the head array is not part of a recorded graph; compute "
+                             "it inside autograd.record() from arrays that called attach_grad()")
+        if hg is None:
+            hg = nd.ones_like(h)
+        elif hg.shape != h.shape:
+            raise ValueError(f"backward: out_grad shape {hg.shape} differs from the head's shape {h.shape}")
+        grads[id(h)] = (h, hg) if id(h) not in grads else (h, M.add(grads[id(h)][1], hg))
+    order = _topo(heads)
+    leaves = {}
+    wanted_ids = {id(v) for v in wanted} if wanted is not None else ()
+    kept = {}
+    with _Scope(create_graph, None):
+        for node in reversed(order):
+            ogs = []
+            for o in node.outputs:
+                e = grads.pop(id(o), (None, None))
+                if id(o) in wanted_ids:
+                    kept[id(o)] = e
+                ogs.append(e[1])
+            if all(g is None for g in ogs):
+                continue
+            if len(ogs) == 1:
+                igs = node.op.grad(GradCtx(node.inputs, node.outputs, node.attrs), ogs[0])
+            else:
+                igs = node.op.grad(GradCtx(node.inputs, node.outputs, node.attrs), *ogs)
+            for x, g in zip(node.inputs, igs):
+                if g is None or x.dtype.kind != "f":
+                    continue
+                if x._ag is None and x._grad_req == "null":
+                    continue
+                k = id(x)
+                if k in grads:
+                    grads[k] = (x, M.add(grads[k][1], g))
+                else:
+                    grads[k] = (x, g)
+                if x._ag is None:
+                    leaves[k] = x
+            if not retain_graph:
+                node.freed = True
+    if wanted is not None:
+        kept.update({k: v for k, v in grads.items() if k in wanted_ids})
+        return kept
+    for h in heads:                      # a head that is itself a variable
+        if h._ag is None and h._grad_req != "null":
+            leaves[id(h)] = h
+    for k, x in leaves.items():
+        g = grads.get(k)
+        if g is None or x._grad is None:
+            continue
+        g = g[1]
+        if x._grad_req == "add":
+            g = M.add(x._grad, g)
+        x._grad._assign(g)
+    return None
+
+
+def backward(heads, head_grads=None, retain_graph=False):
+    """Accumulate d(sum of heads)/d(variable) into each variable's ``.grad``.
+
+    Args:
+        heads: an NDArray or a list of NDArrays.
+        head_grads: matching output gradients (default ones).
+        retain_graph: keep the recorded graph for another backward.
+
+    Raises:
+        ValueError: a head is not part of a recorded graph, or a head gradient's shape differs.
+        RuntimeError: the graph was freed by an earlier backward.
+    """
+    if not isinstance(heads, (list, tuple)):
+        heads = [heads]
+        head_grads = None if head_grads is None else [head_grads]
+    _run_backward(heads, head_grads, retain_graph, False)
+
+
+def grad(heads, variables, head_grads=None, retain_graph=None, create_graph=False):
+    """Gradients of ``heads`` w.r.t. ``variables`` returned as a list (``.grad`` untouched).
+
+    With ``create_graph=True`` the backward ops are themselves recorded, so the returned
+    gradients can be differentiated again (higher-order derivatives).
+
+    Raises:
+        ValueError: a variable does not influence the heads.
+    """
+    from . import ndarray as nd
+    if not isinstance(heads, (list, tuple)):
+        heads = [heads]
+        head_grads = None if head_grads is None else [head_grads]
+    single = not isinstance(variables, (list, tuple))
+    vs = [variables] if single else list(variables)
+    saved = [(v._grad_req) for v in vs]
+    for v in vs:                          # make plain variables count as leaves
+        if v._ag is None and v._grad_req == "null":
+            v._grad_req = "write"
+    try:
+        got = _run_backward(heads, head_grads, create_graph if retain_graph is None else retain_graph,
+                            create_graph, wanted=vs)
+    finally:
+        for v, r in zip(vs, saved):
+            v._grad_req = r
+    out = []
+    for v in vs:
+        g = got.get(id(v))
+        out.append(nd.zeros_like(v) if g is None else g[1])
+    return out[0] if single else out

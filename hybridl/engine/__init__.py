@@ -1,0 +1,143 @@
+"""The dependency engine: asynchronous, parallel execution with sequential semantics.
+
+Public interface (DESIGN §3)::
+
+    hl.engine.push(fn, reads, writes, device, priority=0, name=None)
+    hl.engine.wait_for(var); hl.waitall()
+    hl.engine.set_engine('naive' | 'threaded')       # also a context manager
+    with hl.engine.bulk(16): ...                      # group consecutive pushes
+    hl.engine.set_num_workers(n)                      # worker threads per device
+
+``HYBRIDL_ENGINE=naive|threaded`` selects the engine at import (default ``threaded``).
+"""
+import atexit
+import os
+import threading
+
+from .base import Engine, OpError, Var
+from .naive import NaiveEngine
+from .threaded import ThreadedEngine
+
+__all__ = ["Var", "OpError", "Engine", "NaiveEngine", "ThreadedEngine", "push", "wait_for",
+           "waitall", "get_engine", "set_engine", "bulk", "set_num_workers", "num_workers"]
+
+_ENGINES = {"naive": NaiveEngine, "threaded": ThreadedEngine}
+_lock = threading.Lock()
+_num_workers = None
+
+
+def _make(kind):
+    if isinstance(kind, Engine):
+        return kind
+    if kind not in _ENGINES:
+        raise ValueError(f"engine: expected one of {sorted(_ENGINES)} or an Engine, got {kind!r}")
+    eng = _ENGINES[kind](num_workers=_num_workers) if kind == "threaded" else _ENGINES[kind]()
+    if kind == "threaded":
+        eng.on_new_worker = _blas_budget
+    return eng
+
+
+def _blas_budget(total_workers):
+    """Keep (busy worker threads) x (BLAS threads) <= cores: threadpoolctl sets the BLAS pool.
+
+    OpenBLAS/MKL pools are process-wide, so the budget is cores // workers for every worker.
+    """
+    if total_workers <= 1:
+        return
+    try:
+        from threadpoolctl import threadpool_limits
+        threadpool_limits(limits=max(1, (os.cpu_count() or 1) // total_workers), user_api="blas")
+    except Exception:  # noqa: BLE001 - the budget is an optimisation, never a failure
+        pass
+
+
+_current = _make(os.environ.get("HYBRIDL_ENGINE", "threaded").strip().lower() or "threaded")
+
+
+def get_engine():
+    """The engine in use (a NaiveEngine or ThreadedEngine)."""
+    return _current
+
+
+class _EngineScope:
+    def __init__(self, prev):
+        self.prev = prev
+
+    def __enter__(self):
+        return _current
+
+    def __exit__(self, *exc):
+        set_engine(self.prev)
+        return False
+
+
+def set_engine(kind):
+    """Switch engines: ``'naive'``, ``'threaded'`` or an Engine instance.
+
+    Waits for all work of the previous engine first. Returns a context manager that switches
+    back on exit, so both ``set_engine('naive')`` and ``with set_engine('naive'):`` work.
+
+    Raises:
+        ValueError: unknown engine name.
+    """
+    global _current
+    new = _make(kind)
+    with _lock:
+        prev = _current
+        try:
+            prev.waitall()
+        finally:
+            _current = new
+    return _EngineScope(prev)
+
+
+def push(fn, reads=(), writes=(), device=None, priority=0, name=None, meta=None):
+    """Push ``fn`` to the current engine (see :meth:`Engine.push`)."""
+    _current.push(fn, reads, writes, device, priority, name, meta)
+
+
+def wait_for(var):
+    """Wait until ``var``'s pending writes are done (see :meth:`Engine.wait_for`)."""
+    _current.wait_for(var)
+
+
+def waitall():
+    """Wait for all pushed work; raise the first op error since the last call.
+
+    Raises:
+        OpError: an op failed.
+    """
+    _current.waitall()
+
+
+def bulk(size):
+    """``with hl.engine.bulk(n):`` groups up to ``n`` consecutive ops into one engine task."""
+    return _current.bulk(size)
+
+
+def set_num_workers(n):
+    """Set worker threads per device for the threaded engine (takes effect for new engines and
+    for devices not yet used; the thread budget then gives each ``cores // workers`` BLAS threads).
+
+    Raises:
+        ValueError: ``n`` is not an integer >= 1.
+    """
+    global _num_workers
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n: expected an integer >= 1, got {n!r}")
+    _num_workers = n
+    if isinstance(_current, ThreadedEngine):
+        _current.num_workers = n
+
+
+def num_workers():
+    """Worker threads per device of the threaded engine."""
+    return getattr(_current, "num_workers", 1)
+
+
+@atexit.register
+def _shutdown():
+    try:
+        _current.shutdown()
+    except Exception:  # noqa: BLE001
+        pass

@@ -1,0 +1,248 @@
+"""The engine interface shared by NaiveEngine and ThreadedEngine.
+
+The whole scheduler is one call (after MXNet's engine, Chen et al. 2015, "MXNet: A Flexible and
+Efficient Machine Learning Library for Heterogeneous Distributed Systems", section 3.2)::
+
+    push(fn, reads, writes, device, priority=0, name=None)
+
+``fn`` is a Python callable with no arguments. ``reads`` and ``writes`` are lists of :class:`Var`.
+The engine guarantees the result is the same as running every pushed ``fn`` in push order:
+
+* read-after-write:  an op runs after every earlier op that writes what it reads;
+* write-after-read:  an op that writes a Var runs after every earlier op that reads it;
+* write-after-write: writes of the same Var run in push order.
+
+Errors: an exception raised by ``fn`` is wrapped in :class:`OpError` (naming the op, keeping the
+original exception as ``__cause__`` and its formatted traceback in the message) and stored on
+every Var the op writes. An op that reads a failed Var does not run and passes the error on to
+the Vars it writes. The error is raised when a failed Var is waited for (``wait_for``) and by
+``waitall()``.
+"""
+import threading
+import time
+import traceback
+
+__all__ = ["Var", "OpError", "Engine"]
+
+
+class Var:
+    """A tag for one piece of mutable state (an array's storage, the RNG state, a KVStore slot).
+
+    The engine orders the ops that read and write the same Var. ``exc`` holds the
+    :class:`OpError` of the last failed write (``None`` when the state is good).
+    """
+
+    __slots__ = ("name", "exc", "_writer", "_readers", "__weakref__")
+
+    def __init__(self, name=None):
+        self.name = name
+        self.exc = None
+        self._writer = None      # last op that writes this Var (threaded engine bookkeeping)
+        self._readers = []       # ops that read it since that write
+
+    def __repr__(self):
+        return f"Var({self.name or hex(id(self))})"
+
+
+class OpError(RuntimeError):
+    """An exception raised inside an engine op, re-raised at a sync point.
+
+    Attributes:
+        op_name (str): the name given to ``push``.
+        original (BaseException): the exception the op raised (also ``__cause__``).
+    """
+
+    def __init__(self, op_name, original, tb_text):
+        self.op_name = op_name
+        self.original = original
+        super().__init__(
+            f"operator {op_name!r} failed: {type(original).__name__}: {original}\n"
+            f"--- original traceback (in the engine worker) ---\n{tb_text}"
+        )
+        self.__cause__ = original
+
+
+class _Op:
+    __slots__ = ("fn", "reads", "writes", "key", "priority", "name", "pending",
+                 "dependents", "done", "event", "meta", "seq", "wset")
+
+    def __init__(self, fn, reads, writes, key, priority, name, meta):
+        self.fn = fn
+        self.reads = reads
+        self.writes = writes
+        self.key = key
+        self.priority = priority
+        self.name = name
+        self.meta = meta
+        self.pending = 0
+        self.dependents = []
+        self.done = False
+        self.event = None
+
+    def __lt__(self, other):            # heap order: higher priority first, then FIFO
+        return (-self.priority, self.seq) < (-other.priority, other.seq)
+
+
+class Engine:
+    """Common part of the engines: error handling, profiling hooks and bulking.
+
+    Subclasses implement ``_submit(op)``, ``_wait_op(op)`` and ``_wait_all()``.
+    """
+
+    def __init__(self):
+        self._errors = []            # OpErrors not yet raised by waitall()
+        self._err_lock = threading.Lock()
+        self.profiler = None         # an object with .record(op_name, key, thread, t0, t1, meta)
+        self._bulk = threading.local()
+
+    # ------------------------------------------------------------------ public interface
+    def push(self, fn, reads=(), writes=(), device=None, priority=0, name=None, meta=None):
+        """Schedule ``fn()`` after its dependencies; returns at once (see module docstring).
+
+        Args:
+            fn: a callable with no arguments.
+            reads, writes: iterables of :class:`Var`.
+            device: the Device (or any hashable queue key) whose worker runs the op.
+            priority (int): higher runs first among ready ops of the same device.
+            name (str): shown in errors and in the profiler.
+            meta (dict): optional cost figures for the profiler (``flops``, ``bytes``).
+
+        Raises:
+            TypeError: ``fn`` is not callable or a read/write is not a Var.
+        """
+        if not callable(fn):
+            raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
+        reads = list(reads)
+        writes = list(writes)
+        for v in reads + writes:
+            if not isinstance(v, Var):
+                raise TypeError(f"reads/writes: expected engine Vars, got {type(v).__name__}")
+        name = name or getattr(fn, "__name__", "op")
+        b = getattr(self._bulk, "buf", None)
+        if b is not None:
+            if b["key"] is not None and b["key"] != device:
+                self._flush_bulk()
+                b = self._bulk.buf
+            b["key"] = device
+            b["ops"].append(_Op(fn, reads, writes, device, priority, name, meta))
+            if len(b["ops"]) >= b["size"]:
+                self._flush_bulk()
+            return
+        self._push_op(_Op(fn, reads, writes, device, priority, name, meta))
+
+    def wait_for(self, var):
+        """Block until every pushed write of ``var`` has run; raise its stored error if any.
+
+        Raises:
+            OpError: the last write of ``var`` (or an op it depended on) failed.
+        """
+        self._flush_bulk()
+        w = var._writer
+        if w is not None and not w.done:
+            self._wait_op(w)
+        if var.exc is not None:
+            raise var.exc
+
+    def waitall(self):
+        """Block until all pushed ops have run; raise the first error since the last waitall.
+
+        Raises:
+            OpError: an op failed since the previous ``waitall()``.
+        """
+        self._flush_bulk()
+        self._wait_all()
+        with self._err_lock:
+            errs, self._errors = self._errors, []
+        if errs:
+            raise errs[0]
+
+    def bulk(self, size):
+        """Context manager: group up to ``size`` consecutive pushes of this thread into one op.
+
+        Ops in a bulk run in push order inside one engine task, so per-op scheduling cost is paid
+        once per group; dependencies on outside Vars are the union of the group's reads/writes.
+        """
+        return _Bulk(self, size)
+
+    def shutdown(self):
+        """Stop the workers (queued ops are cancelled). Called at interpreter exit."""
+
+    # ------------------------------------------------------------------ shared internals
+    def _flush_bulk(self):
+        b = getattr(self._bulk, "buf", None)
+        if not b or not b["ops"]:
+            return
+        ops, key = b["ops"], b["key"]
+        b["ops"], b["key"] = [], None
+        if len(ops) == 1:
+            self._push_op(ops[0])
+            return
+        reads, writes, seen_r, seen_w = [], [], set(), set()
+        for o in ops:
+            for v in o.writes:
+                if id(v) not in seen_w:
+                    seen_w.add(id(v))
+                    writes.append(v)
+        for o in ops:
+            for v in o.reads:
+                if id(v) not in seen_w and id(v) not in seen_r:
+                    seen_r.add(id(v))
+                    reads.append(v)
+
+        def run_bulk():
+            for o in ops:
+                self._execute(o)
+
+        self._push_op(_Op(run_bulk, reads, writes, key, max(o.priority for o in ops),
+                          f"bulk[{len(ops)}]", {"bulk": True}))
+
+    def _execute(self, op):
+        """Run one op (in whatever thread the engine chose): error passing and profiling."""
+        for v in op.reads:
+            if v.exc is not None:           # an input failed: do not run, pass the error on
+                for w in op.writes:
+                    w.exc = v.exc
+                return
+        prof = self.profiler
+        t0 = time.perf_counter() if prof is not None else 0.0
+        try:
+            op.fn()
+        except BaseException as e:  # noqa: BLE001 - a user error must never kill a worker
+            err = OpError(op.name, e, "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+            for w in op.writes:
+                w.exc = err
+            with self._err_lock:
+                self._errors.append(err)
+            if prof is not None:
+                prof.record(op.name, op.key, threading.current_thread().name, t0,
+                            time.perf_counter(), op.meta)
+            return err
+        for w in op.writes:
+            w.exc = None
+        if prof is not None and not (op.meta and op.meta.get("bulk")):
+            prof.record(op.name, op.key, threading.current_thread().name, t0,
+                        time.perf_counter(), op.meta)
+        elif prof is not None:
+            prof.record(op.name, op.key, threading.current_thread().name, t0,
+                        time.perf_counter(), None)
+        return None
+
+
+class _Bulk:
+    def __init__(self, engine, size):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"size: expected an integer >= 1, got {size!r}")
+        self.engine, self.size = engine, size
+
+    def __enter__(self):
+        loc = self.engine._bulk
+        self.prev = getattr(loc, "buf", None)
+        if self.prev is not None:
+            self.engine._flush_bulk()
+        loc.buf = {"ops": [], "key": None, "size": self.size}
+        return self
+
+    def __exit__(self, *exc):
+        self.engine._flush_bulk()
+        self.engine._bulk.buf = self.prev
+        return False

@@ -1,0 +1,629 @@
+"""NDArray: an asynchronous handle on an n-dimensional array.
+
+An NDArray is (engine Var, shape, dtype, device, backend array once computed). Every operation
+infers the result's shape and dtype in the caller's thread (so a mismatch raises at the user's
+line), allocates the output handles, pushes the kernel to the engine and returns at once. Reading
+values (``asnumpy()``, ``item()``, ``repr``, ``wait_to_read()``) waits for the writes that
+produce them.
+
+Storage is never mutated in place: a write (``x += y``, ``x[1:3] = v``, an optimizer update)
+computes a new backend array and re-binds it, ordered by the engine as a write of ``x``'s Var.
+Kernels may therefore return views of their inputs (reshape, transpose, slicing are free).
+"""
+import numbers
+
+import numpy as np
+
+from . import autograd as _ag
+from . import engine as _engine
+from .device import Device, cpu, current_device
+from .engine import Var
+from .ops import math as M
+from .ops._util import F32, I64, as_dtype
+from .ops.dispatch import register_interpreter
+
+__all__ = ["NDArray", "array", "zeros", "ones", "full", "empty", "arange", "zeros_like",
+           "ones_like", "full_like", "empty_like", "waitall", "from_numpy"]
+
+
+class NDArray:
+    """An n-dimensional array whose computation runs asynchronously on the engine.
+
+    Attributes:
+        shape (tuple of int), dtype (numpy.dtype), device (Device), ndim, size.
+
+    Create with :func:`array`, :func:`zeros`, ... rather than by calling the class.
+    """
+
+    __slots__ = ("_var", "_data", "shape", "dtype", "device", "_ag", "_grad", "_grad_req",
+                 "__weakref__")
+    __array_priority__ = 1000.0       # numpy_scalar + NDArray -> NDArray.__radd__
+
+    def __init__(self, shape, dtype, device, data=None):
+        self._var = Var()
+        self._data = data
+        self.shape = shape
+        self.dtype = dtype
+        self.device = device
+        self._ag = None
+        self._grad = None
+        self._grad_req = "null"
+
+    # ------------------------------------------------------------------ sync points
+    def wait_to_read(self):
+        """Block until the value is computed.
+
+        Raises:
+            OpError: the op computing this array (or one it depends on) failed.
+        """
+        _engine.wait_for(self._var)
+        return self
+
+    def asnumpy(self):
+        """A NumPy copy of the value (a sync point). Shape ``self.shape``, dtype ``self.dtype``."""
+        _engine.wait_for(self._var)
+        return np.array(self._data, copy=True)
+
+    def item(self):
+        """The value of a one-element array as a Python scalar (a sync point).
+
+        Raises:
+            ValueError: the array has more than one element.
+        """
+        if self.size != 1:
+            raise ValueError(f"item: only one-element arrays can be converted, shape is {self.shape}")
+        _engine.wait_for(self._var)
+        return self._data.reshape(()).item()
+
+    def __array__(self, dtype=None, copy=None):
+        a = self.asnumpy()
+        return a if dtype is None else a.astype(dtype)
+
+    def __repr__(self):
+        try:
+            vals = np.array2string(self.asnumpy(), separator=", ", threshold=200)
+        except Exception as e:  # noqa: BLE001 - repr must not hide the failure nor raise
+            vals = f"<error: {type(e).__name__}: {str(e).splitlines()[0]}>"
+        return f"NDArray({vals}, shape={self.shape}, dtype={self.dtype}, device={self.device!r})"
+
+    __str__ = __repr__
+
+    def __bool__(self):
+        return bool(self.item())
+
+    def __float__(self):
+        return float(self.item())
+
+    def __int__(self):
+        return int(self.item())
+
+    def __index__(self):
+        if self.dtype.kind not in "iu":
+            raise TypeError(f"only integer arrays can be used as an index, dtype is {self.dtype}")
+        return int(self.item())
+
+    def __len__(self):
+        if not self.shape:
+            raise TypeError("len() of a 0-d array")
+        return self.shape[0]
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+
+    __hash__ = object.__hash__
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @property
+    def size(self):
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def T(self):
+        return M.transpose(self)
+
+    @property
+    def grad(self):
+        """The gradient buffer attached by :meth:`attach_grad` (None otherwise)."""
+        return self._grad
+
+    @property
+    def grad_req(self):
+        return self._grad_req
+
+    # ------------------------------------------------------------------ autograd
+    def attach_grad(self, grad_req="write"):
+        """Allocate a gradient buffer (zeros, same shape and dtype) and mark this array as a
+        variable for autograd. ``grad_req``: 'write' (overwrite on backward), 'add'
+        (accumulate) or 'null' (no gradient).
+
+        Raises:
+            ValueError: unknown grad_req.
+        """
+        if grad_req not in ("write", "add", "null"):
+            raise ValueError(f"grad_req: expected 'write', 'add' or 'null', got {grad_req!r}")
+        self._grad_req = grad_req
+        self._ag = None
+        self._grad = None if grad_req == "null" else zeros(self.shape, self.dtype, self.device)
+        return self
+
+    def backward(self, out_grad=None, retain_graph=False):
+        """Compute gradients of this array w.r.t. the variables it depends on (asynchronously)."""
+        _ag.backward(self, out_grad, retain_graph=retain_graph)
+
+    def detach(self):
+        """The same value, cut from the autograd graph (shares storage)."""
+        out = NDArray(self.shape, self.dtype, self.device)
+        _assign_data(out, self)
+        return out
+
+    # ------------------------------------------------------------------ conversion / movement
+    def astype(self, dtype, copy=True):
+        """Convert to ``dtype`` (float32, float64, int32, int64, bool)."""
+        d = as_dtype(dtype)
+        if d == self.dtype and not copy:
+            return self
+        if d == self.dtype:
+            return M.identity(self)
+        return M.cast(self, d)
+
+    def copyto(self, other):
+        """Asynchronous copy to a Device (returns the new array) or into an NDArray (returns it).
+
+        The copy is an engine op on the copy queue of the destination, so it overlaps with
+        compute; reading the destination waits for it.
+
+        Raises:
+            ValueError: ``other`` is an NDArray of a different shape.
+            TypeError: ``other`` is neither a Device nor an NDArray.
+        """
+        if isinstance(other, (Device, str)):
+            dev = Device.parse(other)
+            out = NDArray(self.shape, self.dtype, dev)
+        elif isinstance(other, NDArray):
+            if other.shape != self.shape:
+                raise ValueError(f"copyto: destination shape {other.shape} differs from source "
+                                 f"shape {self.shape}")
+            out = other
+        else:
+            raise TypeError(f"copyto: other must be a Device or an NDArray, got {type(other).__name__}")
+        src = self
+        dt = out.dtype
+
+        def copy():
+            out._data = np.array(src._data, dtype=dt, copy=True)
+
+        _engine.push(copy, [src._var], [out._var], ("copy", out.device), name="copy",
+                     meta=_copy_meta(src) if _engine.get_engine().profiler else None)
+        if _ag.is_recording() and _tracked(self) and out is not self:
+            _ag.record_op(M.IDENTITY, (self,), [out], {})
+        return out
+
+    def to(self, device):
+        """``copyto(device)``; returns ``self`` when it is already there."""
+        dev = Device.parse(device)
+        return self if dev == self.device else self.copyto(dev)
+
+    as_in_device = to
+
+    def _assign(self, src):
+        """Write ``src``'s value into this array (an engine write of this Var)."""
+        if isinstance(src, NDArray):
+            if src.shape != self.shape:
+                raise ValueError(f"assign: value of shape {src.shape} does not match destination "
+                                 f"shape {self.shape}")
+            _assign_data(self, src)
+        else:
+            self[...] = src
+
+    # ------------------------------------------------------------------ indexing
+    def __getitem__(self, key):
+        if isinstance(key, NDArray):
+            if key.dtype.kind == "b":
+                raise TypeError("boolean-mask indexing is not supported (data-dependent shape); "
+                                "use hl.nd.where")
+            return M.take(self, key, axis=0)
+        if isinstance(key, (list, np.ndarray)):
+            return M.take(self, array(np.asarray(key), device=self.device), axis=0)
+        return M.slice_(self, key)
+
+    def __setitem__(self, key, value):
+        if _ag.is_recording() and _tracked(self):
+            raise RuntimeError("in-place assignment to an array recorded by autograd would corrupt "
+                               "the gradient; assign outside autograd.record() or use a new array")
+        ek = M.encode_key(key)
+        sl = M._slice_infer(self, ek)[0][0]
+        if isinstance(value, NDArray):
+            M.broadcast_shape_to("__setitem__", value.shape, sl)
+            v = value
+        else:
+            vv = np.asarray(value, dtype=self.dtype)
+            try:
+                np.broadcast_to(vv, sl)
+            except ValueError:
+                raise ValueError(f"__setitem__: value of shape {vv.shape} cannot be broadcast to "
+                                 f"the selected shape {sl}") from None
+            v = _const(vv, self.device)
+        dst = self
+        pykey = M.decode_key(ek)
+
+        def setitem():
+            new = dst._data.copy()
+            new[pykey] = v._data
+            dst._data = new
+
+        _engine.push(setitem, [v._var, dst._var], [dst._var], dst.device, name="setitem")
+
+    # ------------------------------------------------------------------ methods mirroring ops
+    def reshape(self, *shape):
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        return M.reshape(self, shape)
+
+    def transpose(self, *axes):
+        if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
+            axes = tuple(axes[0])
+        return M.transpose(self, axes or None)
+
+    def flatten(self):
+        return M.flatten(self)
+
+    def expand_dims(self, axis):
+        return M.expand_dims(self, axis)
+
+    def squeeze(self, axis=None):
+        return M.squeeze(self, axis)
+
+    def broadcast_to(self, shape):
+        return M.broadcast_to(self, shape)
+
+    def sum(self, axis=None, keepdims=False):
+        return M.sum(self, axis, keepdims)
+
+    def mean(self, axis=None, keepdims=False):
+        return M.mean(self, axis, keepdims)
+
+    def max(self, axis=None, keepdims=False):
+        return M.max(self, axis, keepdims)
+
+    def min(self, axis=None, keepdims=False):
+        return M.min(self, axis, keepdims)
+
+    def prod(self, axis=None, keepdims=False):
+        return M.prod(self, axis, keepdims)
+
+    def argmax(self, axis=None, keepdims=False):
+        return M.argmax(self, axis, keepdims)
+
+    def argmin(self, axis=None, keepdims=False):
+        return M.argmin(self, axis, keepdims)
+
+    def exp(self):
+        return M.exp(self)
+
+    def log(self):
+        return M.log(self)
+
+    def sqrt(self):
+        return M.sqrt(self)
+
+    def square(self):
+        return M.square(self)
+
+    def tanh(self):
+        return M.tanh(self)
+
+    def sigmoid(self):
+        return M.sigmoid(self)
+
+    def relu(self):
+        return M.relu(self)
+
+    def abs(self):
+        return M.abs(self)
+
+    def sign(self):
+        return M.sign(self)
+
+    def clip(self, a_min=None, a_max=None):
+        return M.clip(self, a_min, a_max)
+
+    def dot(self, other):
+        return M.dot(self, other)
+
+    def take(self, indices, axis=0, mode="clip"):
+        return M.take(self, indices, axis, mode)
+
+    def one_hot(self, depth, dtype="float32"):
+        return M.one_hot(self, depth, dtype)
+
+    def split(self, indices_or_sections, axis=0):
+        return M.split(self, indices_or_sections, axis)
+
+    def zeros_like(self):
+        return zeros_like(self)
+
+    def ones_like(self):
+        return ones_like(self)
+
+    # ------------------------------------------------------------------ operators
+    def __add__(self, o): return M.add(self, o)
+    def __radd__(self, o): return M.add(o, self)
+    def __sub__(self, o): return M.subtract(self, o)
+    def __rsub__(self, o): return M.subtract(o, self)
+    def __mul__(self, o): return M.multiply(self, o)
+    def __rmul__(self, o): return M.multiply(o, self)
+    def __truediv__(self, o): return M.divide(self, o)
+    def __rtruediv__(self, o): return M.divide(o, self)
+    def __pow__(self, o): return M.power(self, o)
+    def __rpow__(self, o): return M.power(o, self)
+    def __matmul__(self, o): return M.matmul(self, o)
+    def __rmatmul__(self, o): return M.matmul(o, self)
+    def __neg__(self): return M.negative(self)
+    def __pos__(self): return self
+    def __abs__(self): return M.abs(self)
+    def __eq__(self, o): return M.equal(self, o)
+    def __ne__(self, o): return M.not_equal(self, o)
+    def __gt__(self, o): return M.greater(self, o)
+    def __ge__(self, o): return M.greater_equal(self, o)
+    def __lt__(self, o): return M.less(self, o)
+    def __le__(self, o): return M.less_equal(self, o)
+    def __invert__(self): return M.logical_not(self)
+    def __and__(self, o): return M.logical_and(self, o)
+    def __or__(self, o): return M.logical_or(self, o)
+    def __xor__(self, o): return M.logical_xor(self, o)
+
+    def _inplace(self, fn, other):
+        if _ag.is_recording() and _tracked(self):
+            raise RuntimeError("in-place update of an array recorded by autograd would corrupt "
+                               "the gradient; use y = x + v instead of x += v")
+        r = fn(self, other)
+        if r.shape != self.shape:
+            raise ValueError(f"in-place operation: result shape {r.shape} differs from the "
+                             f"array's shape {self.shape}")
+        _assign_data(self, r)
+        return self
+
+    def __iadd__(self, o): return self._inplace(M.add, o)
+    def __isub__(self, o): return self._inplace(M.subtract, o)
+    def __imul__(self, o): return self._inplace(M.multiply, o)
+    def __itruediv__(self, o): return self._inplace(M.divide, o)
+
+
+# ============================================================================ internals
+
+
+def _copy_meta(src):
+    nbytes = src.size * src.dtype.itemsize
+    return {"flops": 0.0, "bytes": 2.0 * nbytes}
+
+
+def _assign_data(dst, src):
+    """Engine op: dst's storage becomes src's value (cast to dst.dtype when they differ)."""
+    dt = dst.dtype
+
+    def assign():
+        d = src._data
+        dst._data = d if d.dtype == dt else d.astype(dt)
+
+    _engine.push(assign, [src._var], [dst._var], dst.device, name="assign")
+
+
+def _tracked(x):
+    return x._ag is not None or x._grad_req != "null"
+
+
+def _const(value, device):
+    """A ready NDArray holding ``value`` (a NumPy array, not copied)."""
+    return NDArray(value.shape, value.dtype, device, value)
+
+
+def _scalar_dtype(value, like):
+    if isinstance(value, (bool, np.bool_)):
+        return like if like.kind != "b" else np.dtype(bool)
+    if isinstance(value, numbers.Integral):
+        return like
+    if like.kind == "f":
+        return like
+    return F32
+
+
+def _eager(op, inputs, attrs):
+    """The eager interpreter: infer now, push the kernel, record for autograd."""
+    dev = None
+    like = None
+    for x in inputs:
+        if type(x) is NDArray or isinstance(x, NDArray):
+            if dev is None:
+                dev, like = x.device, x.dtype
+            elif x.device != dev:
+                raise ValueError(f"{op.name}: inputs are on different devices, {dev!r} and "
+                                 f"{x.device!r}; copy one with x.copyto({dev!r}) or x.to(...)")
+    arrs = []
+    for x in inputs:
+        if isinstance(x, NDArray):
+            arrs.append(x)
+        elif isinstance(x, (numbers.Number, np.number, np.bool_)):
+            arrs.append(_const(np.asarray(x, _scalar_dtype(x, like)), dev))
+        elif isinstance(x, np.ndarray):
+            arrs.append(_const(np.array(x, copy=True), dev))
+        else:
+            raise TypeError(f"{op.name}: unsupported input type {type(x).__name__}; expected "
+                            f"NDArray, a number or a NumPy array")
+    specs = op.infer(*arrs, **attrs)
+    outs = [NDArray(tuple(s), d, dev) for s, d in specs]
+    kernel = op.kernel
+    eng = _engine.get_engine()
+    meta = None
+    if eng.profiler is not None:
+        meta = _op_meta(op, arrs, specs, attrs)
+    reads = [a._var for a in arrs]
+    writes = [o._var for o in outs]
+    if op.random:
+        from . import random as _random
+        rs = _random._state
+        reads.append(rs.var)
+        writes.append(rs.var)
+
+        def run():
+            res = kernel(*[a._data for a in arrs], _rng=rs.gen, **attrs)
+            for o, r in zip(outs, res):
+                o._data = r
+    elif len(outs) == 1:
+        out = outs[0]
+
+        def run():
+            out._data = kernel(*[a._data for a in arrs], **attrs)
+    else:
+        def run():
+            res = kernel(*[a._data for a in arrs], **attrs)
+            for o, r in zip(outs, res):
+                o._data = r
+    eng.push(run, reads, writes, dev, 0, op.name, meta)
+    if _ag._state.recording and op.differentiable:
+        for a in arrs:
+            if a._ag is not None or a._grad_req != "null":
+                _ag.record_op(op, tuple(arrs), outs, attrs)
+                break
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _op_meta(op, arrs, specs, attrs):
+    try:
+        flops, nbytes = op.cost([tuple(a.shape) for a in arrs], [tuple(s) for s, _ in specs],
+                                specs[0][1].itemsize if specs else 4, **attrs)
+    except Exception:  # noqa: BLE001 - a cost model must never break execution
+        flops, nbytes = None, None
+    return {"flops": flops, "bytes": nbytes}
+
+
+register_interpreter(NDArray, _eager)
+
+
+# ============================================================================ creation
+
+
+def _dev(device):
+    return current_device() if device is None else Device.parse(device)
+
+
+def _check_shape(shape, name="shape"):
+    if isinstance(shape, (int, np.integer)):
+        shape = (int(shape),)
+    try:
+        shape = tuple(int(s) for s in shape)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int or a tuple of ints, got {shape!r}") from None
+    if any(s < 0 for s in shape):
+        raise ValueError(f"{name}: sizes must be >= 0, got {shape}")
+    return shape
+
+
+def array(obj, dtype=None, device=None):
+    """Create an NDArray from a NumPy array, a nested list, a scalar or another NDArray (copied).
+
+    dtype: default float32 for Python floats, int64 for Python ints, bool for bools; a NumPy
+    array keeps its dtype when supported (float32, float64, int32, int64, bool), other integer
+    and float types are converted to int64 / float32.
+
+    Raises:
+        TypeError: unsupported dtype.
+    """
+    dev = _dev(device)
+    if isinstance(obj, NDArray):
+        out = obj.copyto(dev)
+        return out if dtype is None else out.astype(dtype)
+    a = np.array(obj, copy=True)
+    if dtype is not None:
+        a = a.astype(as_dtype(dtype), copy=False)
+    elif a.dtype.kind == "f" and a.dtype not in (np.float32, np.float64):
+        a = a.astype(F32)
+    elif a.dtype.kind == "f" and not isinstance(obj, np.ndarray):
+        a = a.astype(F32)
+    elif a.dtype.kind in "iu" and a.dtype not in (np.int32, np.int64):
+        a = a.astype(I64)
+    elif a.dtype.kind not in "fiub":
+        raise TypeError(f"obj: expected numbers, got an array of dtype {a.dtype}")
+    return NDArray(a.shape, a.dtype, dev, a)
+
+
+def from_numpy(a, device=None):
+    """Wrap a NumPy array without copying it (the caller must not modify it afterwards)."""
+    a = np.asarray(a)
+    as_dtype(a.dtype, "a.dtype")
+    return NDArray(a.shape, a.dtype, _dev(device), a)
+
+
+def full(shape, fill_value, dtype=None, device=None):
+    """Array of ``shape`` filled with ``fill_value`` (dtype default float32)."""
+    shape = _check_shape(shape)
+    d = as_dtype(dtype or F32)
+    return NDArray(shape, d, _dev(device), np.full(shape, fill_value, d))
+
+
+def zeros(shape, dtype=None, device=None):
+    """Array of zeros (dtype default float32).
+
+    Raises:
+        ValueError: a negative size.
+    """
+    shape = _check_shape(shape)
+    d = as_dtype(dtype or F32)
+    return NDArray(shape, d, _dev(device), np.zeros(shape, d))
+
+
+def ones(shape, dtype=None, device=None):
+    """Array of ones (dtype default float32)."""
+    return full(shape, 1, dtype, device)
+
+
+def empty(shape, dtype=None, device=None):
+    """Array with unspecified contents (zeros here: reading uninitialised memory helps nobody)."""
+    return zeros(shape, dtype, device)
+
+
+def arange(start, stop=None, step=1, dtype=None, device=None):
+    """Evenly spaced values in [start, stop) (NumPy's arange; dtype default float32).
+
+    Raises:
+        ValueError: step == 0.
+    """
+    if step == 0:
+        raise ValueError("arange: step must not be 0")
+    if stop is None:
+        start, stop = 0, start
+    d = as_dtype(dtype or F32)
+    a = np.arange(start, stop, step, dtype=d)
+    return NDArray(a.shape, a.dtype, _dev(device), a)
+
+
+def zeros_like(x, dtype=None):
+    """Zeros with ``x``'s shape, device and (unless given) dtype."""
+    return zeros(x.shape, dtype or x.dtype, x.device)
+
+
+def ones_like(x, dtype=None):
+    """Ones with ``x``'s shape, device and (unless given) dtype."""
+    return ones(x.shape, dtype or x.dtype, x.device)
+
+
+def full_like(x, fill_value, dtype=None):
+    """``fill_value`` everywhere, with ``x``'s shape and device."""
+    return full(x.shape, fill_value, dtype or x.dtype, x.device)
+
+
+def empty_like(x, dtype=None):
+    """Like :func:`empty` with ``x``'s shape and device."""
+    return zeros_like(x, dtype)
+
+
+def waitall():
+    """Wait for all pushed work (see :func:`hybridl.engine.waitall`)."""
+    _engine.waitall()

@@ -1,0 +1,33 @@
+"""``apply(op, *inputs, **attrs)``: one entry point, several interpreters (DESIGN §2).
+
+Each frontend value type (NDArray for eager execution, the tracer of :mod:`hybridl.graph` while
+hybridizing) registers an *interpreter*: a function ``interp(op, inputs, attrs)``. ``apply``
+picks the interpreter of the first input that has one; Python scalars and NumPy arrays among the
+inputs are passed through for the interpreter to turn into constants of its own kind.
+"""
+__all__ = ["apply", "register_interpreter"]
+
+_INTERP = {}       # frontend value class -> interpreter function
+
+
+def register_interpreter(cls, fn):
+    """Use ``fn(op, inputs, attrs)`` for ops whose inputs include instances of ``cls``."""
+    _INTERP[cls] = fn
+
+
+def apply(op, *inputs, **attrs):
+    """Apply ``op`` to ``inputs`` with the interpreter their type selects.
+
+    Raises:
+        TypeError: no input is a frontend value (NDArray or traced value).
+    """
+    for x in inputs:
+        f = _INTERP.get(type(x))
+        if f is not None:
+            return f(op, inputs, attrs)
+    for x in inputs:     # subclasses
+        for cls, f in _INTERP.items():
+            if isinstance(x, cls):
+                return f(op, inputs, attrs)
+    raise TypeError(f"{op.name}: expected at least one NDArray (or traced value) among the "
+                    f"inputs, got {[type(x).__name__ for x in inputs]}")

@@ -1,0 +1,365 @@
+"""Neural-network operators: softmax family, convolution, pooling, normalization, dropout,
+embedding. Kernels live in :mod:`hybridl.kernels` (im2col/GEMM convolution, strided pooling);
+gradients are ops too, so a backward pass is asynchronous and traceable.
+"""
+import numpy as np
+
+from .. import kernels as K
+from ._util import check_float, norm_axis, numel
+from .dispatch import apply
+from .math import add, exp, multiply, subtract, sum, take, take_grad
+from .registry import register
+
+# ============================================================================ softmax family
+
+
+def _sm_infer(x, axis):
+    check_float("softmax", x)
+    return [(x.shape, x.dtype)]
+
+
+def _g_softmax(c, g):
+    y = c.outputs[0]
+    ax = c.attrs["axis"]
+    return (multiply(y, subtract(g, sum(multiply(g, y), axis=ax, keepdims=True))),)
+
+
+def _g_log_softmax(c, g):
+    y = c.outputs[0]
+    ax = c.attrs["axis"]
+    return (subtract(g, multiply(exp(y), sum(g, axis=ax, keepdims=True))),)
+
+
+SOFTMAX = register("softmax", lambda x, axis: K.softmax(x, axis), _sm_infer, _g_softmax)
+LOG_SOFTMAX = register("log_softmax", lambda x, axis: K.log_softmax(x, axis), _sm_infer,
+                       _g_log_softmax)
+
+
+def softmax(x, axis=-1):
+    """exp(x) / sum(exp(x), axis), computed stably (max subtracted). Same shape as x."""
+    return apply(SOFTMAX, x, axis=norm_axis(axis, len(x.shape), "softmax"))
+
+
+def log_softmax(x, axis=-1):
+    """x - logsumexp(x, axis), computed stably. Same shape as x."""
+    return apply(LOG_SOFTMAX, x, axis=norm_axis(axis, len(x.shape), "log_softmax"))
+
+
+def _sce_infer(logits, labels):
+    name = "softmax_cross_entropy"
+    if len(logits.shape) != 2:
+        raise ValueError(f"{name}: logits must be 2-D (batch, classes), got shape {logits.shape}")
+    check_float(name, logits, "logits")
+    if labels.dtype.kind not in "iu":
+        raise TypeError(f"{name}: labels must be integer class indices, got dtype {labels.dtype}")
+    if tuple(labels.shape) != (logits.shape[0],):
+        raise ValueError(f"{name}: labels must have shape ({logits.shape[0]},) to match logits "
+                         f"{logits.shape}, got {labels.shape}")
+    return [((logits.shape[0],), logits.dtype)]
+
+
+def _g_sce(c, g):
+    logits, labels = c.inputs
+    return apply(SCE_GRAD, g, logits, labels), None
+
+
+SCE = register("softmax_cross_entropy", lambda lg, lb: K.softmax_cross_entropy(lg, lb),
+               _sce_infer, _g_sce,
+               cost=lambda i, o, s, **a: (5.0 * numel(i[0]), float(numel(i[0]) * s)))
+SCE_GRAD = register("softmax_cross_entropy_grad",
+                    lambda g, lg, lb: K.softmax_cross_entropy_grad(g, lg, lb),
+                    lambda g, lg, lb: [(lg.shape, lg.dtype)])
+
+
+def softmax_cross_entropy(logits, labels):
+    """Per-sample cross-entropy of softmax(logits) against integer labels.
+
+    Shapes: logits (N, K) float, labels (N,) int -> loss (N,). Labels outside [0, K) raise at
+    the next sync point.
+
+    Raises:
+        ValueError/TypeError: wrong shapes or non-integer labels.
+    """
+    return apply(SCE, logits, labels)
+
+
+# ============================================================================ convolution
+
+
+def _pair(v, name, arg):
+    if isinstance(v, (int, np.integer)):
+        return (int(v), int(v))
+    v = tuple(int(a) for a in v)
+    if len(v) != 2:
+        raise ValueError(f"{name}: {arg} must be an int or a pair of ints, got {v}")
+    return v
+
+
+def _conv_infer(x, w, *b, stride, padding, dilation, groups):
+    check_float("conv2d", x)
+    out = K.conv2d_output_shape(x.shape, w.shape, stride, padding, dilation, groups)
+    if b and tuple(b[0].shape) != (w.shape[0],):
+        raise ValueError(f"conv2d: bias must have shape ({w.shape[0]},), got {b[0].shape}")
+    return [(tuple(out), x.dtype)]
+
+
+def _conv_kernel(x, w, b=None, *, stride, padding, dilation, groups):
+    return K.conv2d(x, w, b, stride, padding, dilation, groups)
+
+
+def _g_conv(c, g):
+    x, w = c.inputs[0], c.inputs[1]
+    a = c.attrs
+    gx = apply(CONV_GX, g, w, x_shape=tuple(x.shape), **a)
+    gw = apply(CONV_GW, g, x, w_shape=tuple(w.shape), **a)
+    if len(c.inputs) == 3:
+        return gx, gw, sum(g, axis=(0, 2, 3))
+    return gx, gw
+
+
+def _conv_cost(in_shapes, out_shapes, itemsize, **a):
+    N, O, OH, OW = out_shapes[0]
+    _, Cg, KH, KW = in_shapes[1]
+    return (2.0 * N * O * OH * OW * Cg * KH * KW,
+            float((numel(in_shapes[0]) + numel(in_shapes[1]) + numel(out_shapes[0])) * itemsize))
+
+
+CONV = register("conv2d", _conv_kernel, _conv_infer, _g_conv, _conv_cost)
+CONV_GX = register("conv2d_grad_input",
+                   lambda g, w, x_shape, stride, padding, dilation, groups:
+                   K.conv2d_grad_input(g, w, x_shape, stride, padding, dilation, groups),
+                   lambda g, w, x_shape, **a: [(x_shape, g.dtype)],
+                   cost=lambda i, o, s, **a: _conv_cost([o[0], i[1]], [i[0]], s))
+CONV_GW = register("conv2d_grad_weight",
+                   lambda g, x, w_shape, stride, padding, dilation, groups:
+                   K.conv2d_grad_weight(g, x, w_shape, stride, padding, dilation, groups),
+                   lambda g, x, w_shape, **a: [(w_shape, g.dtype)],
+                   cost=lambda i, o, s, **a: _conv_cost([i[1], o[0]], [i[0]], s))
+
+
+def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    """2-D convolution (cross-correlation), NCHW, via im2col + GEMM (Chellapilla et al. 2006).
+
+    Shapes: x (N, C, H, W); weight (O, C // groups, KH, KW); bias (O,) -> (N, O, OH, OW) with
+    OH = (H + 2 ph - dh (KH - 1) - 1) // sh + 1.
+
+    Raises:
+        ValueError: wrong ndim, channel/group mismatch, kernel larger than the padded input.
+    """
+    attrs = dict(stride=_pair(stride, "conv2d", "stride"), padding=_pair(padding, "conv2d", "padding"),
+                 dilation=_pair(dilation, "conv2d", "dilation"), groups=int(groups))
+    if bias is None:
+        return apply(CONV, x, weight, **attrs)
+    return apply(CONV, x, weight, bias, **attrs)
+
+
+# ============================================================================ pooling
+
+
+def _pool_infer(name):
+    def infer(x, kernel, stride, padding, **a):
+        check_float(name, x)
+        return [(tuple(K.pool2d_output_shape(x.shape, kernel, stride, padding)), x.dtype)]
+    return infer
+
+
+def _g_maxpool(c, g):
+    return (apply(MAXPOOL_GRAD, g, c.inputs[0], c.outputs[0], **c.attrs),)
+
+
+def _g_avgpool(c, g):
+    return (apply(AVGPOOL_GRAD, g, x_shape=tuple(c.inputs[0].shape), **c.attrs),)
+
+
+def _pool_cost(in_shapes, out_shapes, itemsize, kernel, **a):
+    return (float(numel(out_shapes[0]) * kernel[0] * kernel[1]),
+            float((numel(in_shapes[0]) + numel(out_shapes[0])) * itemsize))
+
+
+MAXPOOL = register("max_pool2d", lambda x, kernel, stride, padding: K.max_pool2d(x, kernel, stride, padding),
+                   _pool_infer("max_pool2d"), _g_maxpool, _pool_cost)
+MAXPOOL_GRAD = register("max_pool2d_grad",
+                        lambda g, x, y, kernel, stride, padding: K.max_pool2d_grad(g, x, y, kernel, stride, padding),
+                        lambda g, x, y, **a: [(x.shape, x.dtype)])
+AVGPOOL = register("avg_pool2d",
+                   lambda x, kernel, stride, padding, count_include_pad:
+                   K.avg_pool2d(x, kernel, stride, padding, count_include_pad),
+                   _pool_infer("avg_pool2d"), _g_avgpool, _pool_cost)
+AVGPOOL_GRAD = register("avg_pool2d_grad",
+                        lambda g, x_shape, kernel, stride, padding, count_include_pad:
+                        K.avg_pool2d_grad(g, x_shape, kernel, stride, padding, count_include_pad),
+                        lambda g, x_shape, **a: [(x_shape, g.dtype)])
+
+
+def max_pool2d(x, kernel, stride=None, padding=0):
+    """2-D max pooling, NCHW (gradient to the first maximum of each window).
+
+    Shapes: (N, C, H, W) -> (N, C, (H + 2p - k) // s + 1, ...); stride defaults to kernel.
+    """
+    k = _pair(kernel, "max_pool2d", "kernel")
+    return apply(MAXPOOL, x, kernel=k, stride=_pair(stride if stride is not None else k, "max_pool2d", "stride"),
+                 padding=_pair(padding, "max_pool2d", "padding"))
+
+
+def avg_pool2d(x, kernel, stride=None, padding=0, count_include_pad=True):
+    """2-D average pooling, NCHW; stride defaults to kernel."""
+    k = _pair(kernel, "avg_pool2d", "kernel")
+    return apply(AVGPOOL, x, kernel=k, stride=_pair(stride if stride is not None else k, "avg_pool2d", "stride"),
+                 padding=_pair(padding, "avg_pool2d", "padding"), count_include_pad=bool(count_include_pad))
+
+
+def global_avg_pool2d(x):
+    """Mean over H and W keeping them as size 1: (N, C, H, W) -> (N, C, 1, 1)."""
+    if len(x.shape) != 4:
+        raise ValueError(f"global_avg_pool2d: expected a 4-D array (N, C, H, W), got shape {x.shape}")
+    from .math import mean
+    return mean(x, axis=(2, 3), keepdims=True)
+
+
+# ============================================================================ normalization
+
+
+def _bn_infer(x, gamma, beta, eps, axis):
+    check_float("batch_norm", x)
+    C = x.shape[axis]
+    for n, p in (("gamma", gamma), ("beta", beta)):
+        if tuple(p.shape) != (C,):
+            raise ValueError(f"batch_norm: {n} must have shape ({C},) (channels on axis {axis} of "
+                             f"{x.shape}), got {p.shape}")
+    return [(x.shape, x.dtype), ((C,), x.dtype), ((C,), x.dtype)]
+
+
+def _g_bn(c, gy, gm=None, gv=None):
+    x, gamma, _ = c.inputs
+    _, mean, var = c.outputs
+    dx, dg, db = apply(BN_GRAD, gy, x, gamma, mean, var, **c.attrs)
+    return dx, dg, db
+
+
+BN_TRAIN = register("batch_norm_train",
+                    lambda x, g, b, eps, axis: K.batch_norm_train(x, g, b, eps, axis),
+                    _bn_infer, _g_bn, n_out=3,
+                    cost=lambda i, o, s, **a: (8.0 * numel(i[0]), 3.0 * numel(i[0]) * s))
+BN_GRAD = register("batch_norm_grad",
+                   lambda gy, x, g, m, v, eps, axis: K.batch_norm_grad(gy, x, g, m, v, eps, axis),
+                   lambda gy, x, g, m, v, **a: [(x.shape, x.dtype), (g.shape, g.dtype), (g.shape, g.dtype)],
+                   n_out=3)
+
+
+def _bn_infer_infer(x, gamma, beta, rm, rv, eps, axis):
+    return _bn_infer(x, gamma, beta, eps, axis)[:1]
+
+
+def _g_bn_infer(c, g):
+    x, gamma, beta, rm, rv = c.inputs
+    from .math import reshape, sqrt
+    ax, eps = c.attrs["axis"], c.attrs["eps"]
+    shp = [1] * len(x.shape)
+    shp[ax] = x.shape[ax]
+    shp = tuple(shp)
+    red = tuple(i for i in range(len(x.shape)) if i != ax)
+    inv = reshape(1.0 / sqrt(add(rv, eps)), shp)
+    xhat = multiply(subtract(x, reshape(rm, shp)), inv)
+    return (multiply(g, multiply(reshape(gamma, shp), inv)), sum(multiply(g, xhat), axis=red),
+            sum(g, axis=red), None, None)
+
+
+BN_INFER = register("batch_norm_infer",
+                    lambda x, g, b, rm, rv, eps, axis: K.batch_norm_infer(x, g, b, rm, rv, eps, axis),
+                    _bn_infer_infer, _g_bn_infer)
+
+
+def batch_norm(x, gamma, beta, running_mean, running_var, eps=1e-5, momentum=0.9, training=True,
+               axis=1):
+    """Batch normalization (Ioffe & Szegedy 2015).
+
+    Training: normalize with the batch mean and biased variance over every axis but ``axis``,
+    and update the running statistics (written Vars): ``running = momentum * running +
+    (1 - momentum) * batch`` (the variance term uses the unbiased batch variance, as PyTorch).
+    Inference: normalize with the running statistics.
+
+    Shapes: x (N, C, ...) with C = x.shape[axis]; gamma, beta, running_* (C,). Returns y like x.
+    """
+    axis = norm_axis(axis, len(x.shape), "batch_norm")
+    if not training:
+        return apply(BN_INFER, x, gamma, beta, running_mean, running_var, eps=float(eps), axis=axis)
+    y, mean, var = apply(BN_TRAIN, x, gamma, beta, eps=float(eps), axis=axis)
+    from .. import autograd
+    n = numel(x.shape) // max(x.shape[axis], 1)
+    with autograd.pause(autograd.is_training()):
+        running_mean._assign(add(multiply(running_mean, momentum), multiply(mean, 1.0 - momentum)))
+        unbiased = multiply(var, n / max(n - 1, 1))
+        running_var._assign(add(multiply(running_var, momentum), multiply(unbiased, 1.0 - momentum)))
+    return y
+
+
+def _ln_infer(x, gamma, beta, eps):
+    check_float("layer_norm", x)
+    D = x.shape[-1]
+    for n, p in (("gamma", gamma), ("beta", beta)):
+        if tuple(p.shape) != (D,):
+            raise ValueError(f"layer_norm: {n} must have shape ({D},) (last axis of {x.shape}), got {p.shape}")
+    return [(x.shape, x.dtype), (x.shape[:-1], x.dtype), (x.shape[:-1], x.dtype)]
+
+
+def _g_ln(c, gy, gm=None, gv=None):
+    x, gamma, _ = c.inputs
+    _, mean, var = c.outputs
+    return apply(LN_GRAD, gy, x, gamma, mean, var, **c.attrs)
+
+
+LN = register("layer_norm", lambda x, g, b, eps: K.layer_norm(x, g, b, eps), _ln_infer, _g_ln, n_out=3)
+LN_GRAD = register("layer_norm_grad",
+                   lambda gy, x, g, m, v, eps: K.layer_norm_grad(gy, x, g, m, v, eps),
+                   lambda gy, x, g, m, v, **a: [(x.shape, x.dtype), (g.shape, g.dtype), (g.shape, g.dtype)],
+                   n_out=3)
+
+
+def layer_norm(x, gamma, beta, eps=1e-5):
+    """Layer normalization over the last axis (Ba, Kiros & Hinton 2016). gamma, beta (D,)."""
+    return apply(LN, x, gamma, beta, eps=float(eps))[0]
+
+
+# ============================================================================ dropout / embedding
+
+
+def _dropout_kernel(x, p, _rng):
+    keep = _rng.random(x.shape, dtype=np.float64 if x.dtype == np.float64 else np.float32) >= p
+    mask = keep.astype(x.dtype)
+    mask *= x.dtype.type(1.0 / (1.0 - p))
+    return x * mask, mask
+
+
+DROPOUT = register("dropout", _dropout_kernel,
+                   lambda x, p: [(x.shape, x.dtype), (x.shape, x.dtype)],
+                   lambda c, g, gm=None: (multiply(g, c.outputs[1]),), n_out=2, random=True)
+
+
+def dropout(x, p=0.5, training=None):
+    """Inverted dropout (Srivastava et al. 2014): in training, zero each element with
+    probability ``p`` and scale the rest by 1 / (1 - p); identity otherwise. The mask comes from
+    the engine RNG (reproducible under ``hl.random.seed``).
+
+    Raises:
+        ValueError: p outside [0, 1).
+    """
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout: p must be in [0, 1), got {p}")
+    if training is None:
+        from .. import autograd
+        training = autograd.is_training()
+    if not training or p == 0.0:
+        return x
+    return apply(DROPOUT, x, p=float(p))[0]
+
+
+def embedding(indices, weight):
+    """Row lookup: weight (V, D), indices (...) int -> (..., D). Indices are clipped to [0, V)."""
+    if len(weight.shape) != 2:
+        raise ValueError(f"embedding: weight must be 2-D (vocab, dim), got shape {weight.shape}")
+    return take(weight, indices, axis=0, mode="clip")
+
+
+__all__ = ["softmax", "log_softmax", "softmax_cross_entropy", "conv2d", "max_pool2d",
+           "avg_pool2d", "global_avg_pool2d", "batch_norm", "layer_norm", "dropout", "embedding",
+           "take_grad"]

@@ -1,0 +1,72 @@
+"""The operator registry: every op is defined once.
+
+An :class:`Op` bundles (DESIGN §2, after JAX's primitives and CMU needle's compute/gradient pairs):
+
+* ``infer(*inputs, **attrs) -> [(shape, dtype), ...]`` — runs in the caller's thread on anything
+  with ``.shape`` and ``.dtype``; raises ``ValueError``/``TypeError`` naming the op and shapes;
+* ``kernel(*arrays, **attrs) -> array | tuple`` — NumPy computation on backend arrays; must return
+  arrays of exactly the inferred shapes and dtypes, and must never return a view that aliases a
+  mutable buffer (NDArray storage is never mutated in place, so views of inputs are fine);
+* ``grad(ctx, *out_grads) -> tuple`` — the vector-Jacobian product written with *frontend* ops
+  (so the backward pass is itself asynchronous in eager mode and traceable when hybridized);
+  ``ctx.inputs``, ``ctx.outputs`` and ``ctx.attrs`` are available; ``None`` for no gradient;
+* ``cost(in_shapes, out_shapes, itemsize, **attrs) -> (flops, bytes)`` for the profiler and the
+  roofline; by default one flop per output element and every input/output byte moved once;
+* ``ew``: for elementwise ops, a numexpr template (``'exp({0})'``) used by the fusion pass.
+"""
+__all__ = ["Op", "register", "OPS", "GradCtx"]
+
+OPS = {}
+
+
+class Op:
+    __slots__ = ("name", "kernel", "infer", "grad", "cost", "n_out", "ew", "differentiable",
+                 "random", "__weakref__")
+
+    def __init__(self, name, kernel, infer, grad=None, cost=None, n_out=1, ew=None,
+                 differentiable=True, random=False):
+        self.name = name
+        self.kernel = kernel
+        self.infer = infer
+        self.grad = grad
+        self.cost = cost or default_cost
+        self.n_out = n_out
+        self.ew = ew
+        self.differentiable = differentiable and grad is not None
+        self.random = random     # reads and writes the engine RNG Var
+
+    def __repr__(self):
+        return f"Op({self.name})"
+
+
+def default_cost(in_shapes, out_shapes, itemsize, **attrs):
+    """One flop per output element; every input and output element moved once (bytes)."""
+    import math
+    nout = sum(math.prod(s) for s in out_shapes)
+    nin = sum(math.prod(s) for s in in_shapes)
+    return float(nout), float((nin + nout) * itemsize)
+
+
+def register(name, kernel, infer, grad=None, cost=None, n_out=1, ew=None,
+             differentiable=True, random=False):
+    """Create and register an :class:`Op` under ``name`` (which must be new).
+
+    Raises:
+        ValueError: an op of that name exists already.
+    """
+    if name in OPS:
+        raise ValueError(f"name: op {name!r} is already registered")
+    op = Op(name, kernel, infer, grad, cost, n_out, ew, differentiable, random)
+    OPS[name] = op
+    return op
+
+
+class GradCtx:
+    """What a gradient rule sees: the op's inputs, outputs (frontend values) and attributes."""
+
+    __slots__ = ("inputs", "outputs", "attrs")
+
+    def __init__(self, inputs, outputs, attrs):
+        self.inputs = inputs
+        self.outputs = outputs
+        self.attrs = attrs

@@ -1,0 +1,109 @@
+"""Random numbers whose generator state is an engine Var.
+
+Every random op reads and writes one Var, so random ops run in push order whatever the engine
+and however many devices: ``hl.random.seed(n)`` makes a program reproducible with the naive and
+the threaded engine alike. The generator is NumPy's PCG64 (``numpy.random.default_rng``).
+"""
+import numpy as np
+
+from . import engine as _engine
+from .device import Device, cpu, current_device
+from .engine import Var
+from .ops._util import F32, I64, as_dtype
+
+__all__ = ["seed", "uniform", "normal", "randint", "shuffle"]
+
+
+class _RngState:
+    def __init__(self):
+        self.var = Var("rng")
+        self.gen = np.random.default_rng()
+
+
+_state = _RngState()
+
+
+def seed(n):
+    """Reset the generator to ``numpy.random.default_rng(n)`` (ordered after earlier random ops).
+
+    Raises:
+        ValueError: ``n`` is not a non-negative integer.
+    """
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError(f"seed: expected a non-negative integer, got {n!r}")
+
+    def reseed():
+        _state.gen = np.random.default_rng(int(n))
+
+    _engine.push(reseed, [], [_state.var], cpu(0), name="seed")
+
+
+def _random_op(name, shape, dtype, device, draw):
+    from .ndarray import NDArray, _check_shape
+    shape = _check_shape(shape)
+    dev = current_device() if device is None else Device.parse(device)
+    out = NDArray(shape, dtype, dev)
+
+    def run():
+        out._data = np.asarray(draw(_state.gen, shape), dtype=dtype)
+
+    _engine.push(run, [_state.var], [_state.var, out._var], dev, name=name)
+    return out
+
+
+def uniform(low=0.0, high=1.0, shape=(1,), dtype=None, device=None):
+    """Samples from U[low, high); shape ``shape``, dtype default float32.
+
+    Raises:
+        ValueError: high < low, or a negative size.
+    """
+    if high < low:
+        raise ValueError(f"uniform: high={high} must be >= low={low}")
+    d = as_dtype(dtype or F32)
+    return _random_op("uniform", shape, d, device,
+                      lambda g, s: g.uniform(low, high, s).astype(d, copy=False))
+
+
+def normal(loc=0.0, scale=1.0, shape=(1,), dtype=None, device=None):
+    """Samples from N(loc, scale**2); dtype default float32.
+
+    Raises:
+        ValueError: scale < 0.
+    """
+    if scale < 0:
+        raise ValueError(f"normal: scale must be >= 0, got {scale}")
+    d = as_dtype(dtype or F32)
+    return _random_op("normal", shape, d, device,
+                      lambda g, s: g.normal(loc, scale, s).astype(d, copy=False))
+
+
+def randint(low, high=None, shape=(1,), dtype=None, device=None):
+    """Integers uniform in [low, high) (``randint(n)`` means [0, n)); dtype default int64.
+
+    Raises:
+        ValueError: high <= low.
+    """
+    if high is None:
+        low, high = 0, low
+    if high <= low:
+        raise ValueError(f"randint: high={high} must be > low={low}")
+    d = as_dtype(dtype or I64)
+    return _random_op("randint", shape, d, device, lambda g, s: g.integers(low, high, s))
+
+
+def shuffle(x):
+    """A copy of ``x`` with its first axis randomly permuted.
+
+    Raises:
+        ValueError: ``x`` is 0-d.
+    """
+    from .ndarray import NDArray
+    if not x.shape:
+        raise ValueError("shuffle: x must have at least one dimension")
+    out = NDArray(x.shape, x.dtype, x.device)
+
+    def run():
+        out._data = x._data[_state.gen.permutation(x.shape[0])]
+
+    _engine.push(run, [_state.var, x._var], [_state.var, out._var], x.device, name="shuffle")
+    return out
