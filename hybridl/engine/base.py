@@ -189,15 +189,30 @@ class Engine:
                     seen_r.add(id(v))
                     reads.append(v)
 
-        def run_bulk():
+        def run_bulk():                     # returns the first error of the group (or None)
+            first = None
             for o in ops:
-                self._execute(o)
+                err = self._execute(o)
+                if first is None:
+                    first = err
+            return first
 
         self._push_op(_Op(run_bulk, reads, writes, key, max(o.priority for o in ops),
                           f"bulk[{len(ops)}]", {"bulk": True}))
 
     def _execute(self, op):
         """Run one op (in whatever thread the engine chose): error passing and profiling."""
+        meta = op.meta
+        if meta is not None and meta.get("bulk") is True:
+            # A group: each member passes/stores its own errors; the group must neither skip
+            # members whose inputs are fine nor clear the errors its members stored.
+            prof = self.profiler
+            t0 = time.perf_counter() if prof is not None else 0.0
+            err = op.fn()
+            if prof is not None:
+                prof.record(op.name, op.key, threading.current_thread().name, t0,
+                            time.perf_counter(), None)
+            return err
         for v in op.reads:
             if v.exc is not None:           # an input failed: do not run, pass the error on
                 for w in op.writes:
@@ -243,6 +258,8 @@ class _Bulk:
         return self
 
     def __exit__(self, *exc):
-        self.engine._flush_bulk()
-        self.engine._bulk.buf = self.prev
+        try:
+            self.engine._flush_bulk()
+        finally:                            # NaiveEngine raises an op error from the flush
+            self.engine._bulk.buf = self.prev
         return False
