@@ -62,7 +62,7 @@ class ThreadedEngine(Engine):
             for v in op.writes:
                 wids.add(id(v))
                 w = v._writer
-                if w is not None and not w.done:
+                if w is not None and not w.done and w is not op:   # a Var listed twice
                     w.dependents.append(op)
                     n += 1
                 for r in v._readers:
