@@ -426,6 +426,9 @@ def ones_like_op(x):
 
 
 def _clip_kernel(x, a_min=None, a_max=None, out=None):
+    if x.dtype.kind in "iub":   # keep the dtype: integer bounds ceil(a_min), floor(a_max)
+        a_min = None if a_min is None else x.dtype.type(math.ceil(a_min))
+        a_max = None if a_max is None else x.dtype.type(math.floor(a_max))
     return np.clip(x, a_min, a_max, out=out)
 
 
