@@ -79,15 +79,15 @@ def set_engine(kind):
 
     Raises:
         ValueError: unknown engine name.
+        OpError: an op of the previous engine failed (raised by its ``waitall``); the engine is
+            not switched then.
     """
     global _current
     new = _make(kind)
     with _lock:
         prev = _current
-        try:
-            prev.waitall()
-        finally:
-            _current = new
+        prev.waitall()          # an error of the old engine raises here; no switch then (a
+        _current = new          # ``with`` that raises at entry must not leave the engine changed)
     return _EngineScope(prev)
 
 
