@@ -267,7 +267,7 @@ RECIP = _u("reciprocal", _fk(np.reciprocal),
 
 def _sigmoid_kernel(x, out=None):
     # 1 / (1 + exp(-x)) written so that exp never overflows: 0.5 * (1 + tanh(x / 2))
-    y = np.multiply(x, 0.5, out=out)
+    y = np.multiply(x, 0.5, out=out, dtype=x.dtype if x.dtype.kind == "f" else F32)
     np.tanh(y, out=y)
     y += 1.0
     y *= 0.5
