@@ -1116,7 +1116,10 @@ def _concat_infer(*xs, axis):
 
 
 def _concat_kernel(*xs, axis, out=None):
-    return np.concatenate(xs, axis=axis, out=out)
+    d = xs[0].dtype
+    for x in xs[1:]:
+        d = promote(d, x.dtype)
+    return np.concatenate(xs, axis=axis, out=out, dtype=None if out is not None else d)
 
 
 def _g_concat(c, g):
