@@ -1028,30 +1028,30 @@ def _take_kernel(a, idx, axis, mode):
 
 def _g_take(c, g):
     a, idx = c.inputs
-    return take_grad(g, idx, a.shape, c.attrs["axis"]), None
+    return take_grad(g, idx, a.shape, c.attrs["axis"], c.attrs["mode"]), None
 
 
 TAKE = register("take", _take_kernel, _take_infer, _g_take)
 
 
-def _take_grad_kernel(g, idx, shape, axis):
+def _take_grad_kernel(g, idx, shape, axis, mode="clip"):
     n = shape[axis]
-    idx = np.where(idx < 0, idx + n, idx).ravel()
-    gm = np.moveaxis(g, axis, 0) if axis else g          # (*idx.shape... ) handled below
+    if n == 0 or idx.size == 0:
+        return np.zeros(shape, g.dtype)
+    # the rows the forward read: clip mode clips (negatives to 0), wrap/raise wrap modulo n
+    idx = (np.clip(idx, 0, n - 1) if mode == "clip" else np.mod(idx, n)).ravel()
     lead = numel(shape[:axis])
-    # bring g to (lead, idx.size, trail) and scatter-add rows along axis with one bincount-free
-    # np.add.at on a 2-D view (rows = idx)
+    # bring g to (lead, idx.size, trail) and scatter-add rows along axis with np.add.at
     trail = numel(shape[axis + 1:])
     g3 = np.ascontiguousarray(g).reshape(lead, idx.size, trail)
     out = np.zeros((lead, n, trail), g.dtype)
-    for i in range(lead) if lead > 1 else [0]:
+    for i in range(lead):
         np.add.at(out[i], idx, g3[i])
-    del gm
     return out.reshape(shape)
 
 
 TAKE_GRAD = register("take_grad", _take_grad_kernel,
-                     lambda g, idx, shape, axis: [(shape, g.dtype)])
+                     lambda g, idx, shape, axis, mode="clip": [(shape, g.dtype)])
 
 
 def take(a, indices, axis=0, mode="clip"):
@@ -1067,9 +1067,10 @@ def take(a, indices, axis=0, mode="clip"):
     return apply(TAKE, a, indices, axis=axis, mode=mode)
 
 
-def take_grad(g, indices, shape, axis):
-    """Adjoint of ``take``: scatter-add ``g`` into zeros of ``shape`` at ``indices``."""
-    return apply(TAKE_GRAD, g, indices, shape=tuple(shape), axis=axis)
+def take_grad(g, indices, shape, axis, mode="clip"):
+    """Adjoint of ``take``: scatter-add ``g`` into zeros of ``shape`` at ``indices`` (resolved
+    with the forward's ``mode``: 'clip' clips, 'wrap'/'raise' wrap modulo the axis size)."""
+    return apply(TAKE_GRAD, g, indices, shape=tuple(shape), axis=axis, mode=mode)
 
 
 def _one_hot_infer(idx, depth, dtype):
