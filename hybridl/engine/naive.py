@@ -3,9 +3,10 @@
 Same results as the threaded engine, but an error is raised at the exact line that pushed the
 failing op: the debugging switch.
 """
+import contextlib
 import threading
 
-from .base import Engine
+from .base import Engine, _Bulk
 
 __all__ = ["NaiveEngine"]
 
@@ -22,6 +23,16 @@ class NaiveEngine(Engine):
     def __init__(self):
         super().__init__()
         self._lock = threading.RLock()   # several frontend threads: one op at a time
+
+    def bulk(self, size):
+        """Validates ``size`` and groups nothing: every op still runs (and raises) at its push.
+
+        Grouping saves scheduling cost, which this engine does not have; running each op at its
+        own line keeps the debugging guarantee (and an error raised while flushing a group would
+        otherwise drop the op whose push triggered the flush).
+        """
+        _Bulk(self, size)                # argument check only
+        return contextlib.nullcontext(self)
 
     def _push_op(self, op):
         with self._lock:
