@@ -626,9 +626,9 @@ def prod(x, axis=None, keepdims=False):
 
 
 def _argred(op, x, axis, keepdims, name):
-    if axis is None:
-        x = reshape(x, (-1,))
-        axis = 0
+    if axis is None:      # index into the flattened array; keepdims keeps every axis as 1
+        r = _reduce(op, reshape(x, (-1,)), 0, False, name)
+        return reshape(r, (1,) * len(x.shape)) if keepdims else r
     if isinstance(axis, (tuple, list)):
         raise TypeError(f"{name}: axis must be a single integer or None, got {axis!r}")
     return _reduce(op, x, axis, keepdims, name)
