@@ -518,8 +518,10 @@ def _check_shape(shape, name="shape"):
     if isinstance(shape, (int, np.integer)):
         shape = (int(shape),)
     try:
+        if isinstance(shape, (str, bytes)):
+            raise TypeError
         shape = tuple(int(s) for s in shape)
-    except TypeError:
+    except (TypeError, ValueError):
         raise TypeError(f"{name}: expected an int or a tuple of ints, got {shape!r}") from None
     if any(s < 0 for s in shape):
         raise ValueError(f"{name}: sizes must be >= 0, got {shape}")
