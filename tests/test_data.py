@@ -237,6 +237,13 @@ def test_seed_none_draws_a_seed(nd):
     assert isinstance(loader.seed, int) and loader.seed >= 0
     labels = np.concatenate([t[1] for t in collect(loader)])
     np.testing.assert_array_equal(labels, np.random.default_rng([loader.seed, 0]).permutation(30))
+    hl_random = pytest.importorskip("hybridl.random")
+    seeds = []
+    for _ in range(2):
+        hl_random.seed(123)
+        seeds.append(DataLoader(ArrayDataset(X, y), batch_size=10, shuffle=True).seed)
+    assert seeds[0] == seeds[1]
+    assert DataLoader(ArrayDataset(X, y), batch_size=10, shuffle=True).seed != seeds[0]
 
 
 @pytest.mark.parametrize("mode", ["keep", "discard", "rollover"])

@@ -85,6 +85,14 @@ def _draw_seed():
     except Exception:
         hl_random = None
     if hl_random is not None:
+        randint = getattr(hl_random, "randint", None)
+        if callable(randint):  # hl.random.randint(low, high, shape) -> NDArray (synchronised here)
+            try:
+                r = randint(0, 2 ** 31 - 1, shape=(1,))
+                r = r.asnumpy() if hasattr(r, "asnumpy") else r
+                return int(np.asarray(r).ravel()[0])
+            except Exception:
+                pass
         for name in ("draw_seed", "next_seed", "new_seed"):
             fn = getattr(hl_random, name, None)
             if callable(fn):
@@ -116,7 +124,8 @@ class DataLoader:
             ``None`` reads ``$HYBRIDL_NUM_WORKERS`` (default 0).
         seed (int >= 0 or None): shuffle seed; epoch ``e`` uses
             ``np.random.default_rng([seed, e]).permutation(N)``. ``None`` draws one seed at
-            construction from ``hybridl.random`` (NumPy's global RNG if unavailable).
+            construction with ``hybridl.random.randint`` (so ``hl.random.seed(n)`` makes it
+            reproducible; NumPy's global RNG if ``hybridl.random`` is unavailable).
         num_shards (int >= 1), shard_index (int in [0, num_shards)): distributed sharding,
             contiguous slices of the permutation, remainder dropped (see module docstring).
         prefetch (int >= 0; >= 1 if num_workers > 0): batches loaded ahead of the consumer
