@@ -56,13 +56,38 @@ DIGITS_NUM_TRAIN = 1438
 DIGITS_NUM_TEST = 359
 
 
+def _read_sklearn_digits():
+    """(data (1797, 64) values 0..16, target (1797,)) from scikit-learn's bundled CSV.
+
+    Reads ``sklearn/datasets/data/digits.csv.gz`` directly (locating the package without
+    importing it: ``import sklearn.datasets`` takes seconds); falls back to
+    ``sklearn.datasets.load_digits()`` if the file is not where expected.
+    """
+    import importlib.util
+    try:
+        spec = importlib.util.find_spec("sklearn")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.origin:
+        raise ImportError("Digits needs scikit-learn (it ships the data): pip install scikit-learn")
+    path = os.path.join(os.path.dirname(spec.origin), "datasets", "data", "digits.csv.gz")
+    if os.path.isfile(path):
+        table = np.loadtxt(path, delimiter=",", dtype=np.float64)
+        return table[:, :-1], table[:, -1].astype(np.int64)
+    from sklearn.datasets import load_digits  # pragma: no cover - unusual install layout
+    d = load_digits()
+    return d.data, d.target
+
+
 def _digits_split():
     """(images uint8-like float (N,1,8,8), labels int32, train_idx, test_idx), cached."""
     if "digits" not in _CACHE:
-        from sklearn.datasets import load_digits  # lazy: only this dataset needs sklearn
-        d = load_digits()
-        images = np.asarray(d.images, dtype=np.float32).reshape(-1, 1, 8, 8) / np.float32(16.0)
-        labels = np.asarray(d.target, dtype=np.int32)
+        data, target = _read_sklearn_digits()
+        images = np.asarray(data, dtype=np.float32).reshape(-1, 1, 8, 8) / np.float32(16.0)
+        labels = np.asarray(target, dtype=np.int32)
+        if images.shape != (1797, 1, 8, 8) or labels.min() < 0 or labels.max() > 9:
+            raise DatasetError(f"Digits: unexpected data from scikit-learn: images "
+                               f"{images.shape}, labels in [{labels.min()}, {labels.max()}]")
         rs = np.random.RandomState(_DIGITS_SEED)  # legacy RNG: stream frozen across NumPy versions
         test = []
         for c in range(10):
@@ -82,8 +107,8 @@ def _digits_split():
 class Digits(ArrayDataset):
     """The 8x8 handwritten digits bundled with scikit-learn (UCI optdigits), no download.
 
-    1,797 images of digits 0..9 (``sklearn.datasets.load_digits``), pixel values 0..16
-    scaled by 1/16 to ``[0, 1]``.
+    1,797 images of digits 0..9 — the data of ``sklearn.datasets.load_digits`` (read from
+    scikit-learn's bundled ``digits.csv.gz``), pixel values 0..16 scaled by 1/16 to ``[0, 1]``.
 
     Fixed split (stratified, identical on every machine): for each class ``c`` (in order
     0..9) the indices of that class are permuted with one ``np.random.RandomState(20240917)``
