@@ -15,7 +15,7 @@ import sys
 
 COMMANDS = {
     "train": ("hybridl.train_cli", "train a model (LeNet on Digits by default)"),
-    "trace": ("hybridl.train_cli", "record training steps with the profiler"),
+    "trace": ("hybridl.trace_cli", "record training steps with the profiler"),
     "hw": ("hybridl.hardware.report", "probe and measure this machine"),
     "export": ("hybridl.train_cli", "export a model (graph JSON + safetensors)"),
     "launch": ("hybridl.distributed.launch", "run a command under mpiexec"),

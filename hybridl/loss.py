@@ -1,0 +1,92 @@
+"""Losses: each returns one value per sample, shape (batch,) (mean over the other axes).
+
+``SoftmaxCrossEntropyLoss``, ``L2Loss``, ``L1Loss``, ``SigmoidBinaryCrossEntropyLoss`` (MXNet
+Gluon's definitions).
+"""
+from . import nd as F
+from .nn.block import HybridBlock
+
+__all__ = ["Loss", "SoftmaxCrossEntropyLoss", "L2Loss", "L1Loss", "SigmoidBinaryCrossEntropyLoss"]
+
+
+class Loss(HybridBlock):
+    """Base class: ``weight`` scales the loss; ``batch_axis`` is kept, other axes averaged."""
+
+    def __init__(self, weight=None, batch_axis=0):
+        super().__init__()
+        self._weight, self._batch_axis = weight, batch_axis
+
+    def _finish(self, loss):
+        if self._weight is not None:
+            loss = loss * self._weight
+        axes = tuple(i for i in range(len(loss.shape)) if i != self._batch_axis)
+        return F.mean(loss, axis=axes) if axes else loss
+
+    @staticmethod
+    def _check(pred, label, name):
+        if pred.shape != label.shape:
+            raise ValueError(f"{name}: pred shape {pred.shape} and label shape {label.shape} differ")
+
+
+class SoftmaxCrossEntropyLoss(Loss):
+    """-log softmax(pred)[label] per sample.
+
+    Shapes: pred (N, K) logits; label (N,) class indices (any int dtype, or float holding
+    integers) when ``sparse_label`` (default), else (N, K) probabilities. Returns (N,).
+    """
+
+    def __init__(self, axis=-1, sparse_label=True, from_logits=False, weight=None, batch_axis=0):
+        super().__init__(weight, batch_axis)
+        if axis not in (-1, 1):
+            raise ValueError(f"SoftmaxCrossEntropyLoss: axis must be -1 (class axis last), got {axis}")
+        self._sparse, self._from_logits = sparse_label, from_logits
+
+    def forward(self, pred, label):
+        if self._sparse:
+            if label.dtype.kind == "f":
+                label = label.astype("int64")
+            if len(label.shape) == 2 and label.shape[1] == 1:
+                label = F.reshape(label, (-1,))
+            if self._from_logits:        # pred are log-probabilities already
+                loss = -F.sum(pred * F.one_hot(label, pred.shape[-1], pred.dtype.name), axis=-1)
+            else:
+                loss = F.softmax_cross_entropy(pred, label)
+        else:
+            self._check(pred, label, "SoftmaxCrossEntropyLoss")
+            lp = pred if self._from_logits else F.log_softmax(pred, -1)
+            loss = -F.sum(lp * label, axis=-1)
+        return self._finish(loss)
+
+
+class L2Loss(Loss):
+    """0.5 * (pred - label)**2 averaged over non-batch axes."""
+
+    def forward(self, pred, label):
+        self._check(pred, label, "L2Loss")
+        return self._finish(F.square(pred - label) * 0.5)
+
+
+class L1Loss(Loss):
+    """|pred - label| averaged over non-batch axes."""
+
+    def forward(self, pred, label):
+        self._check(pred, label, "L1Loss")
+        return self._finish(F.abs(pred - label))
+
+
+class SigmoidBinaryCrossEntropyLoss(Loss):
+    """Binary cross-entropy; with ``from_sigmoid=False`` (default) pred are logits and the
+    stable form max(x, 0) - x z + log(1 + exp(-|x|)) is used."""
+
+    def __init__(self, from_sigmoid=False, weight=None, batch_axis=0):
+        super().__init__(weight, batch_axis)
+        self._from_sigmoid = from_sigmoid
+
+    def forward(self, pred, label):
+        self._check(pred, label, "SigmoidBinaryCrossEntropyLoss")
+        if not self._from_sigmoid:
+            loss = F.relu(pred) - pred * label + F.softplus(-F.abs(pred))
+        else:
+            eps = 1e-12
+            loss = -(F.log(pred + eps) * label + F.log(1.0 - pred + eps) * (1.0 - label))
+        return self._finish(loss)

@@ -1,0 +1,292 @@
+"""Block, HybridBlock, Sequential, HybridSequential.
+
+A Block owns Parameters and child Blocks, registered by attribute assignment
+(``self.fc = nn.Dense(10)``); names are attribute paths (``'features.0.weight'``), as in
+PyTorch's state_dict. ``forward`` is ordinary Python over NDArrays. A HybridBlock's ``forward``
+must be traceable (no Python branching on array values); ``hybridize()`` compiles it
+(see :mod:`hybridl.graph`).
+"""
+import os
+import re
+from collections import OrderedDict
+
+import numpy as np
+
+from .parameter import DeferredInitializationError, Parameter, ParameterDict
+
+__all__ = ["Block", "HybridBlock", "Sequential", "HybridSequential"]
+
+
+class Block:
+    """Base class of layers and models.
+
+    Subclasses define ``forward(*args)`` and create their parameters / children in
+    ``__init__`` (after ``super().__init__()``).
+    """
+
+    def __init__(self):
+        object.__setattr__(self, "_children", OrderedDict())
+        object.__setattr__(self, "_reg_params", OrderedDict())
+
+    def __setattr__(self, name, value):
+        if "_children" not in self.__dict__:
+            raise RuntimeError(f"{type(self).__name__}: call super().__init__() before assigning "
+                               f"attributes in __init__")
+        if isinstance(value, Block):
+            self._children[name] = value
+            self._reg_params.pop(name, None)
+            self._on_child_change()
+        elif isinstance(value, Parameter):
+            self._reg_params[name] = value
+            self._children.pop(name, None)
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name):
+        self._children.pop(name, None)
+        self._reg_params.pop(name, None)
+        object.__delattr__(self, name)
+
+    def _on_child_change(self):
+        pass
+
+    def register_child(self, block, name=None):
+        """Register ``block`` as a child (Sequential uses '0', '1', ...)."""
+        name = str(len(self._children)) if name is None else name
+        self._children[name] = block
+        self._on_child_change()
+        return block
+
+    # ------------------------------------------------------------------ parameters
+    def _named_params(self, prefix=""):
+        for n, p in self._reg_params.items():
+            yield prefix + n, p
+        for cn, c in self._children.items():
+            yield from c._named_params(prefix + cn + ".")
+
+    def collect_params(self, select=None):
+        """All parameters of this block and its children as a ParameterDict, optionally only
+        those whose name matches the regular expression ``select`` (e.g. ``'.*weight'``).
+
+        Parameter names are set to their attribute paths on the way.
+        """
+        out = ParameterDict()
+        rx = re.compile(select) if select else None
+        seen = set()
+        for name, p in self._named_params():
+            if id(p) in seen:          # shared parameter: first name wins
+                continue
+            seen.add(id(p))
+            p.name = name
+            if rx is None or rx.match(name):
+                out[name] = p
+        return out
+
+    def initialize(self, init=None, device=None, force_reinit=False, verbose=False):
+        """Initialize every parameter (default initializer: Xavier, biases zero).
+
+        Args:
+            init: an Initializer (or name) for parameters without one of their own.
+            device: a Device or a list of Devices (one copy of each parameter per device).
+            force_reinit: re-initialize parameters that already have values.
+        """
+        self.collect_params().initialize(init, device, force_reinit)
+        return self
+
+    def zero_grad(self):
+        """Zero every parameter's gradient."""
+        self.collect_params().zero_grad()
+
+    def reset_device(self, device):
+        """Move every parameter to ``device`` (a Device or list)."""
+        self.collect_params().reset_device(device)
+
+    # ------------------------------------------------------------------ save / load
+    def save_parameters(self, path):
+        """Save parameter values (first device) to ``path`` in safetensors format.
+
+        Written to a temporary file in the same directory, then renamed: a crash never leaves a
+        half-written file. Names are the attribute paths of ``collect_params()``.
+
+        Raises:
+            RuntimeError: a parameter is not initialized.
+        """
+        from safetensors.numpy import save_file
+        tensors = {name: np.ascontiguousarray(p.data().asnumpy())
+                   for name, p in self.collect_params().items()}
+        _atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "hybridl"}))
+
+    def load_parameters(self, path, device=None, allow_missing=False, ignore_extra=False):
+        """Load values saved by :meth:`save_parameters`.
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: the file is not a valid safetensors file, names are missing or extra
+                (unless allowed), or a shape differs — the message lists the names.
+        """
+        from safetensors import SafetensorError
+        from safetensors.numpy import load_file
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"load_parameters: no such file: {path!r}")
+        try:
+            loaded = load_file(path)
+        except (SafetensorError, OSError, ValueError, Exception) as e:  # noqa: BLE001
+            raise ValueError(f"load_parameters: {path!r} is not a valid safetensors parameter "
+                             f"file ({type(e).__name__}: {e})") from None
+        params = self.collect_params()
+        missing = [n for n in params if n not in loaded]
+        extra = [n for n in loaded if n not in params]
+        if missing and not allow_missing:
+            raise ValueError(f"load_parameters: {path!r} lacks parameters {missing} "
+                             f"(pass allow_missing=True to keep their current values)")
+        if extra and not ignore_extra:
+            raise ValueError(f"load_parameters: {path!r} has parameters {extra} that this "
+                             f"network does not have (pass ignore_extra=True to skip them)")
+        for name, p in params.items():
+            if name not in loaded:
+                continue
+            val = loaded[name]
+            if p.shape is not None and p._shape_known() and tuple(val.shape) != p.shape:
+                raise ValueError(f"load_parameters: parameter {name!r} has shape {p.shape} in the "
+                                 f"network but {tuple(val.shape)} in {path!r}")
+        for name, p in params.items():
+            if name not in loaded:
+                continue
+            if p._data is None:
+                dev = device if device is not None else (p._deferred[1] if p._deferred else None)
+                p._shape = tuple(loaded[name].shape)
+                p.initialize(init="zeros", device=dev)
+            p.set_data(loaded[name].astype(p.dtype, copy=False))
+
+    # ------------------------------------------------------------------ calling
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args):
+        raise NotImplementedError(f"{type(self).__name__} must define forward()")
+
+    def apply(self, fn):
+        """Call ``fn(block)`` on every child (recursively) and on this block."""
+        for c in self._children.values():
+            c.apply(fn)
+        fn(self)
+        return self
+
+    def hybridize(self, active=True, **kwargs):
+        """Hybridize every HybridBlock child (a plain Block itself stays imperative)."""
+        for c in self._children.values():
+            c.hybridize(active, **kwargs)
+
+    def __repr__(self):
+        lines = [f"{type(self).__name__}("]
+        for n, c in self._children.items():
+            sub = repr(c).replace("\n", "\n  ")
+            lines.append(f"  ({n}): {sub}")
+        return "\n".join(lines) + ")" if self._children else f"{type(self).__name__}({self._extra_repr()})"
+
+    def _extra_repr(self):
+        return ""
+
+
+def _atomic_write(path, write):
+    path = os.fspath(path)
+    d = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(d):
+        raise FileNotFoundError(f"path: directory {d!r} does not exist")
+    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+class HybridBlock(Block):
+    """A Block whose ``forward`` can be traced into a graph and compiled (``hybridize()``).
+
+    ``forward`` must use only hl.nd operations on its inputs and parameters (no Python
+    branches on array values; use ``hl.nd.where``).
+    """
+
+    def __init__(self):
+        super().__init__()
+        object.__setattr__(self, "_active", False)
+        object.__setattr__(self, "_cached", None)
+        object.__setattr__(self, "_hybrid_flags", {})
+
+    def _on_child_change(self):
+        if getattr(self, "_cached", None) is not None:
+            object.__setattr__(self, "_cached", None)
+
+    def hybridize(self, active=True, **kwargs):
+        """Compile ``forward`` on its next call (one cached program per input signature).
+
+        Calling it again (or adding a child) clears the cache. ``hybridize(False)`` goes back
+        to imperative execution. Keyword options are passed to the compiler (e.g.
+        ``passes=[...]``, ``parallel_segments=True``).
+        """
+        object.__setattr__(self, "_active", bool(active))
+        object.__setattr__(self, "_hybrid_flags", dict(kwargs))
+        object.__setattr__(self, "_cached", None)
+        for c in self._children.values():       # children run inside the parent's program
+            c.hybridize(False)
+
+    def __call__(self, *args, **kwargs):
+        if self._active and not kwargs:
+            from ..graph import hybrid
+            return hybrid.call_cached(self, args)
+        return self.forward(*args, **kwargs)
+
+    def infer_shape(self, *args):
+        """Finish deferred parameter shapes from example inputs (runs one forward)."""
+        from .. import autograd
+        with autograd.pause():
+            self.forward(*args)
+
+
+class Sequential(Block):
+    """Children called in order: ``net.add(a, b, c)``; ``net(x) == c(b(a(x)))``."""
+
+    def add(self, *blocks):
+        """Append blocks (registered as children '0', '1', ...)."""
+        for b in blocks:
+            if not isinstance(b, Block):
+                raise TypeError(f"add: expected Blocks, got {type(b).__name__}")
+            self.register_child(b)
+        return self
+
+    def forward(self, x, *args):
+        for b in self._children.values():
+            x = b(x, *args) if args else b(x)
+            args = ()
+        return x
+
+    def __getitem__(self, i):
+        kids = list(self._children.values())
+        if isinstance(i, slice):
+            s = type(self)()
+            s.add(*kids[i])
+            return s
+        return kids[i]
+
+    def __len__(self):
+        return len(self._children)
+
+
+class HybridSequential(HybridBlock):
+    """Sequential of HybridBlocks: hybridizable as a whole."""
+
+    add = Sequential.add
+    forward = Sequential.forward
+    __len__ = Sequential.__len__
+
+    def __getitem__(self, i):
+        kids = list(self._children.values())
+        if isinstance(i, slice):
+            s = type(self)()
+            s.add(*kids[i])
+            return s
+        return kids[i]
+
+
+_ = DeferredInitializationError

@@ -1,0 +1,248 @@
+"""Layers: Dense, Conv2D, pooling, BatchNorm, Dropout, Flatten, Activation, Embedding, LayerNorm.
+
+Each layer is a HybridBlock whose ``forward`` calls ``hl.nd`` ops on ``param.data(x.device)``,
+so the same code runs eagerly, traced (hybridized) and on several devices. Input-dependent
+dimensions (``in_units``, ``in_channels``) may be 0: they are inferred on the first forward
+(deferred initialization).
+"""
+from .. import autograd
+from .. import nd as F
+from .block import HybridBlock
+from .parameter import Parameter
+
+__all__ = ["Dense", "Conv2D", "MaxPool2D", "AvgPool2D", "GlobalAvgPool2D", "BatchNorm",
+           "Dropout", "Flatten", "Activation", "Embedding", "LayerNorm"]
+
+_ACTS = {"relu": F.relu, "sigmoid": F.sigmoid, "tanh": F.tanh, "softrelu": F.softplus,
+         "softplus": F.softplus}
+
+
+def _act(name):
+    if name is None:
+        return None
+    if name not in _ACTS:
+        raise ValueError(f"activation: expected one of {sorted(_ACTS)} or None, got {name!r}")
+    return _ACTS[name]
+
+
+def _data(p, x):
+    return p.data(getattr(x, "device", None))
+
+
+def _pos_int(v, arg, layer, allow0=False):
+    if isinstance(v, bool) or not isinstance(v, int) or v < (0 if allow0 else 1):
+        raise ValueError(f"{layer}: {arg} must be an integer >= {0 if allow0 else 1}, got {v!r}")
+    return v
+
+
+class Dense(HybridBlock):
+    """Fully connected layer: ``y = activation(x @ weight.T + bias)``.
+
+    Shapes: x (N, ...) -> (N, units) when ``flatten`` (default) else (..., in) -> (..., units).
+    weight (units, in_units), bias (units,).
+
+    Raises:
+        ValueError: units < 1 or an unknown activation.
+    """
+
+    def __init__(self, units, activation=None, use_bias=True, flatten=True, dtype="float32",
+                 weight_initializer=None, bias_initializer="zeros", in_units=0):
+        super().__init__()
+        self._units = _pos_int(units, "units", "Dense")
+        _pos_int(in_units, "in_units", "Dense", allow0=True)
+        self._flatten = flatten
+        self._act_name = activation
+        self._act = _act(activation)
+        self.weight = Parameter("weight", (units, in_units), dtype, weight_initializer)
+        self.bias = Parameter("bias", (units,), dtype, bias_initializer) if use_bias else None
+
+    def forward(self, x):
+        if not self.weight._shape_known():
+            in_units = 1
+            for s in (x.shape[1:] if self._flatten else x.shape[-1:]):
+                in_units *= s
+            self.weight._finish_deferred_init((self._units, in_units))
+        y = F.fully_connected(x, _data(self.weight, x),
+                              None if self.bias is None else _data(self.bias, x), self._flatten)
+        return self._act(y) if self._act else y
+
+    def _extra_repr(self):
+        return f"{self.weight.shape[1] or None} -> {self._units}, {self._act_name or 'linear'}"
+
+
+class Conv2D(HybridBlock):
+    """2-D convolution over NCHW input (im2col + GEMM).
+
+    Shapes: x (N, in_channels, H, W) -> (N, channels, OH, OW); weight
+    (channels, in_channels // groups, KH, KW); bias (channels,).
+    """
+
+    def __init__(self, channels, kernel_size, strides=1, padding=0, dilation=1, groups=1,
+                 activation=None, use_bias=True, in_channels=0, dtype="float32",
+                 weight_initializer=None, bias_initializer="zeros", layout="NCHW"):
+        super().__init__()
+        if layout != "NCHW":
+            raise ValueError(f"Conv2D: layout must be 'NCHW', got {layout!r}")
+        self._channels = _pos_int(channels, "channels", "Conv2D")
+        ks = (kernel_size, kernel_size) if isinstance(kernel_size, int) else tuple(kernel_size)
+        self._kernel, self._strides, self._padding = ks, strides, padding
+        self._dilation, self._groups = dilation, _pos_int(groups, "groups", "Conv2D")
+        if channels % groups:
+            raise ValueError(f"Conv2D: channels={channels} must be divisible by groups={groups}")
+        self._act_name, self._act = activation, _act(activation)
+        self.weight = Parameter("weight", (channels, in_channels // groups if in_channels else 0) + ks,
+                                dtype, weight_initializer)
+        self.bias = Parameter("bias", (channels,), dtype, bias_initializer) if use_bias else None
+
+    def forward(self, x):
+        if not self.weight._shape_known():
+            if len(x.shape) != 4:
+                raise ValueError(f"Conv2D: expected 4-D input (N, C, H, W), got shape {x.shape}")
+            self.weight._finish_deferred_init((self._channels, x.shape[1] // self._groups) + self._kernel)
+        y = F.conv2d(x, _data(self.weight, x), None if self.bias is None else _data(self.bias, x),
+                     self._strides, self._padding, self._dilation, self._groups)
+        return self._act(y) if self._act else y
+
+    def _extra_repr(self):
+        return f"{self.weight.shape[1] * self._groups or None} -> {self._channels}, kernel_size={self._kernel}, stride={self._strides}, padding={self._padding}"
+
+
+class MaxPool2D(HybridBlock):
+    """2-D max pooling (stride defaults to pool_size)."""
+
+    def __init__(self, pool_size=2, strides=None, padding=0):
+        super().__init__()
+        self._args = (pool_size, strides, padding)
+
+    def forward(self, x):
+        return F.max_pool2d(x, *self._args)
+
+    def _extra_repr(self):
+        return f"pool_size={self._args[0]}, strides={self._args[1]}, padding={self._args[2]}"
+
+
+class AvgPool2D(HybridBlock):
+    """2-D average pooling (stride defaults to pool_size)."""
+
+    def __init__(self, pool_size=2, strides=None, padding=0, count_include_pad=True):
+        super().__init__()
+        self._args = (pool_size, strides, padding, count_include_pad)
+
+    def forward(self, x):
+        return F.avg_pool2d(x, *self._args)
+
+
+class GlobalAvgPool2D(HybridBlock):
+    """Average over H, W: (N, C, H, W) -> (N, C, 1, 1)."""
+
+    def forward(self, x):
+        return F.global_avg_pool2d(x)
+
+
+class Flatten(HybridBlock):
+    """(N, ...) -> (N, prod(...))."""
+
+    def forward(self, x):
+        return F.flatten(x)
+
+
+class Activation(HybridBlock):
+    """Elementwise activation: 'relu', 'sigmoid', 'tanh' or 'softrelu'."""
+
+    def __init__(self, activation):
+        super().__init__()
+        self._name = activation
+        self._fn = _act(activation)
+
+    def forward(self, x):
+        return self._fn(x)
+
+    def _extra_repr(self):
+        return self._name
+
+
+class Dropout(HybridBlock):
+    """Inverted dropout with probability ``rate`` (active only in training mode).
+
+    Raises:
+        ValueError: rate outside [0, 1).
+    """
+
+    def __init__(self, rate):
+        super().__init__()
+        if not 0.0 <= rate < 1.0:
+            raise ValueError(f"Dropout: rate must be in [0, 1), got {rate}")
+        self._rate = float(rate)
+
+    def forward(self, x):
+        return F.dropout(x, self._rate, autograd.is_training())
+
+    def _extra_repr(self):
+        return f"p={self._rate}"
+
+
+class BatchNorm(HybridBlock):
+    """Batch normalization (Ioffe & Szegedy 2015) over axis ``axis`` (channels).
+
+    Training mode (``autograd.record()`` or ``train_mode()``) uses batch statistics and updates
+    ``running_mean``/``running_var`` (grad_req 'null', saved with the parameters):
+    running = momentum * running + (1 - momentum) * batch. Predict mode uses the running ones.
+    """
+
+    def __init__(self, axis=1, momentum=0.9, epsilon=1e-5, center=True, scale=True,
+                 in_channels=0, dtype="float32"):
+        super().__init__()
+        self._axis, self._momentum, self._eps = axis, float(momentum), float(epsilon)
+        self.gamma = Parameter("gamma", (in_channels,), dtype, "ones",
+                               grad_req="write" if scale else "null")
+        self.beta = Parameter("beta", (in_channels,), dtype, "zeros",
+                              grad_req="write" if center else "null")
+        self.running_mean = Parameter("running_mean", (in_channels,), dtype, "zeros", grad_req="null")
+        self.running_var = Parameter("running_var", (in_channels,), dtype, "ones", grad_req="null")
+
+    def _params(self):
+        return (self.gamma, self.beta, self.running_mean, self.running_var)
+
+    def forward(self, x):
+        if not self.gamma._shape_known():
+            c = x.shape[self._axis]
+            for p in self._params():
+                p._finish_deferred_init((c,))
+        g, b, rm, rv = (_data(p, x) for p in self._params())
+        return F.batch_norm(x, g, b, rm, rv, self._eps, self._momentum, autograd.is_training(),
+                            self._axis)
+
+
+class LayerNorm(HybridBlock):
+    """Layer normalization over the last axis (Ba et al. 2016); gamma, beta (D,)."""
+
+    def __init__(self, axis=-1, epsilon=1e-5, center=True, scale=True, in_channels=0,
+                 dtype="float32"):
+        super().__init__()
+        if axis != -1:
+            raise ValueError(f"LayerNorm: only axis=-1 is supported, got {axis}")
+        self._eps = float(epsilon)
+        self.gamma = Parameter("gamma", (in_channels,), dtype, "ones",
+                               grad_req="write" if scale else "null")
+        self.beta = Parameter("beta", (in_channels,), dtype, "zeros",
+                              grad_req="write" if center else "null")
+
+    def forward(self, x):
+        if not self.gamma._shape_known():
+            self.gamma._finish_deferred_init((x.shape[-1],))
+            self.beta._finish_deferred_init((x.shape[-1],))
+        return F.layer_norm(x, _data(self.gamma, x), _data(self.beta, x), self._eps)
+
+
+class Embedding(HybridBlock):
+    """Lookup table: indices (...) int -> (..., output_dim); weight (input_dim, output_dim)."""
+
+    def __init__(self, input_dim, output_dim, dtype="float32", weight_initializer=None):
+        super().__init__()
+        _pos_int(input_dim, "input_dim", "Embedding")
+        _pos_int(output_dim, "output_dim", "Embedding")
+        self.weight = Parameter("weight", (input_dim, output_dim), dtype,
+                                weight_initializer or "uniform")
+
+    def forward(self, x):
+        return F.embedding(x, _data(self.weight, x))

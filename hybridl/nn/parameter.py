@@ -1,0 +1,258 @@
+"""Parameter: a named array (one copy per device) with its gradient and training settings."""
+import re
+from collections import OrderedDict
+
+from .. import init as _init
+from ..device import Device, cpu
+from ..ops._util import as_dtype
+
+__all__ = ["Parameter", "ParameterDict", "DeferredInitializationError"]
+
+
+class DeferredInitializationError(RuntimeError):
+    """A parameter's shape is not known yet: run one forward pass first."""
+
+
+class Parameter:
+    """A trainable (or state) array of a Block, with one copy per device.
+
+    Args:
+        name (str): set by the owning Block (its attribute path, e.g. ``'0.weight'``).
+        shape (tuple): may contain 0 for dimensions inferred on the first forward
+            (deferred initialization).
+        dtype: float32 (default) or float64.
+        init: an Initializer (or name) that overrides the one given to ``initialize``.
+        grad_req: 'write' (default), 'add' or 'null' (no gradient, e.g. BatchNorm statistics).
+        lr_mult, wd_mult (float): multipliers of the optimizer's learning rate / weight decay.
+
+    Raises:
+        ValueError: bad grad_req or shape.
+    """
+
+    def __init__(self, name="param", shape=None, dtype="float32", init=None, grad_req="write",
+                 lr_mult=1.0, wd_mult=1.0, allow_deferred_init=True, differentiable=True):
+        self.name = name
+        self._shape = None if shape is None else tuple(int(s) for s in shape)
+        self.dtype = as_dtype(dtype)
+        self.init = _init.create(init)
+        if grad_req not in ("write", "add", "null"):
+            raise ValueError(f"grad_req: expected 'write', 'add' or 'null', got {grad_req!r}")
+        self._grad_req = grad_req if differentiable else "null"
+        self.lr_mult = float(lr_mult)
+        self.wd_mult = float(wd_mult)
+        self.allow_deferred_init = allow_deferred_init
+        self._data = None          # OrderedDict device -> NDArray
+        self._deferred = None      # (init, devices) waiting for the shape
+
+    # ------------------------------------------------------------------ shape / status
+    @property
+    def shape(self):
+        return self._shape
+
+    @shape.setter
+    def shape(self, new):
+        new = tuple(int(s) for s in new)
+        if self._shape is not None:
+            if len(new) != len(self._shape) or any(a and a != b for a, b in zip(self._shape, new)):
+                raise ValueError(f"Parameter {self.name!r}: expected shape compatible with "
+                                 f"{self._shape}, got {new}")
+        self._shape = new
+
+    @property
+    def grad_req(self):
+        return self._grad_req
+
+    @grad_req.setter
+    def grad_req(self, req):
+        if req not in ("write", "add", "null"):
+            raise ValueError(f"grad_req: expected 'write', 'add' or 'null', got {req!r}")
+        self._grad_req = req
+        if self._data is not None:
+            for a in self._data.values():
+                a.attach_grad(req)
+
+    def _shape_known(self):
+        return self._shape is not None and all(s > 0 for s in self._shape)
+
+    # ------------------------------------------------------------------ initialization
+    def initialize(self, init=None, device=None, default_init=None, force_reinit=False):
+        """Allocate and fill the parameter on ``device`` (a Device or a list of Devices).
+
+        The parameter's own ``init`` wins over ``init``, which wins over ``default_init``.
+        When the shape is not yet known the initialization is deferred to the first forward.
+        """
+        if self._data is not None and not force_reinit:
+            return
+        devices = _devices(device)
+        chosen = self.init or _init.create(init) or _init.create(default_init) or _init.Xavier()
+        if not self._shape_known():
+            if not self.allow_deferred_init:
+                raise ValueError(f"Parameter {self.name!r}: shape {self._shape} is unknown and "
+                                 f"deferred initialization is not allowed")
+            self._deferred = (chosen, devices)
+            self._data = None
+            return
+        self._init_now(chosen, devices)
+
+    def _init_now(self, init, devices):
+        first = init(self._shape, self.dtype, devices[0])
+        self._data = OrderedDict()
+        for d in devices:
+            arr = first if d == devices[0] else first.copyto(d)
+            if self._grad_req != "null":
+                arr.attach_grad(self._grad_req)
+            self._data[d] = arr
+        self._deferred = None
+
+    def _finish_deferred_init(self, shape):
+        """Called by a layer on its first forward once it knows ``shape``."""
+        self.shape = shape
+        if self._deferred is not None and self._data is None:
+            init, devices = self._deferred
+            self._init_now(init, devices)
+
+    # ------------------------------------------------------------------ access
+    def _check_init(self):
+        if self._data is None:
+            if self._deferred is not None:
+                raise DeferredInitializationError(
+                    f"Parameter {self.name!r} has shape {self._shape} that will be inferred on the "
+                    f"first forward pass; call the network on data before using its parameters")
+            raise RuntimeError(f"Parameter {self.name!r} has not been initialized; call "
+                               f"net.initialize() (or param.initialize()) first")
+
+    def data(self, device=None):
+        """The parameter's value on ``device`` (default: its first device).
+
+        Inside hybridized code this returns the traced input standing for the parameter.
+
+        Raises:
+            RuntimeError: not initialized.  ValueError: no copy on ``device``.
+        """
+        from ..graph import trace as _trace
+        t = _trace.current_param_value(self, device)
+        if t is not None:
+            return t
+        self._check_init()
+        if device is None:
+            return next(iter(self._data.values()))
+        dev = Device.parse(device)
+        arr = self._data.get(dev)
+        if arr is None:
+            raise ValueError(f"Parameter {self.name!r} has no copy on {dev!r}; it lives on "
+                             f"{list(self._data)} (initialize it with device=[...] to add one)")
+        return arr
+
+    def list_data(self):
+        """The copies on every device, in device order."""
+        self._check_init()
+        return list(self._data.values())
+
+    def grad(self, device=None):
+        """The gradient buffer on ``device`` (default: first device).
+
+        Raises:
+            RuntimeError: grad_req is 'null' or not initialized.
+        """
+        if self._grad_req == "null":
+            raise RuntimeError(f"Parameter {self.name!r} has grad_req='null': no gradient")
+        return self.data(device).grad
+
+    def list_grad(self):
+        """The gradient buffers on every device."""
+        if self._grad_req == "null":
+            raise RuntimeError(f"Parameter {self.name!r} has grad_req='null': no gradient")
+        return [a.grad for a in self.list_data()]
+
+    def list_device(self):
+        """Devices holding a copy."""
+        if self._data is None and self._deferred is not None:
+            return list(self._deferred[1])
+        self._check_init()
+        return list(self._data)
+
+    def set_data(self, value):
+        """Set every copy to ``value`` (an NDArray or anything ``hl.nd.array`` accepts).
+
+        Raises:
+            ValueError: shape mismatch.
+        """
+        from .. import nd
+        if not isinstance(value, nd.NDArray):
+            value = nd.array(value, dtype=self.dtype)
+        if self._data is None and self._deferred is not None:
+            self._finish_deferred_init(value.shape)
+        self._check_init()
+        if tuple(value.shape) != self._shape:
+            raise ValueError(f"Parameter {self.name!r}: set_data expected shape {self._shape}, "
+                             f"got {value.shape}")
+        for d, arr in self._data.items():
+            arr._assign(value if value.device == d else value.copyto(d))
+
+    def zero_grad(self):
+        """Set the gradient buffers to zero."""
+        if self._data is None or self._grad_req == "null":
+            return
+        for arr in self._data.values():
+            arr.grad[...] = 0
+
+    def reset_device(self, device):
+        """Move the parameter to ``device`` (a Device or a list)."""
+        devices = _devices(device)
+        if self._data is None:
+            if self._deferred is not None:
+                self._deferred = (self._deferred[0], devices)
+            return
+        src = next(iter(self._data.values()))
+        self._data = OrderedDict()
+        for d in devices:
+            arr = src.copyto(d)
+            if self._grad_req != "null":
+                arr.attach_grad(self._grad_req)
+            self._data[d] = arr
+
+    def __repr__(self):
+        return f"Parameter {self.name} (shape={self._shape}, dtype={self.dtype})"
+
+
+def _tracing():
+    from ..graph import trace as _trace
+    return _trace.is_tracing()
+
+
+def _devices(device):
+    if device is None:
+        return [cpu(0)]
+    if isinstance(device, (list, tuple)):
+        if not device:
+            raise ValueError("device: expected at least one device, got an empty list")
+        return [Device.parse(d) for d in device]
+    return [Device.parse(device)]
+
+
+class ParameterDict(OrderedDict):
+    """An ordered ``name -> Parameter`` mapping with bulk helpers."""
+
+    def initialize(self, init=None, device=None, force_reinit=False):
+        """Initialize every parameter (see :meth:`Parameter.initialize`)."""
+        for p in self.values():
+            p.initialize(None, device, default_init=init, force_reinit=force_reinit)
+
+    def zero_grad(self):
+        """Zero every gradient buffer."""
+        for p in self.values():
+            p.zero_grad()
+
+    def setattr(self, name, value):
+        """Set an attribute (e.g. 'grad_req', 'lr_mult') on every parameter."""
+        for p in self.values():
+            setattr(p, name, value)
+
+    def reset_device(self, device):
+        for p in self.values():
+            p.reset_device(device)
+
+    def select(self, pattern):
+        """The parameters whose names match the regular expression ``pattern``."""
+        rx = re.compile(pattern)
+        return ParameterDict((k, v) for k, v in self.items() if rx.match(k))

@@ -1,0 +1,3 @@
+"""``hl.optim``: SGD, Adam, AdamW and the Trainer."""
+from .optimizer import SGD, Adam, AdamW, Optimizer, create  # noqa: F401
+from .trainer import Trainer  # noqa: F401

@@ -1,0 +1,160 @@
+"""Optimizers. Each parameter update is ONE engine op that reads the gradient and writes the
+weight and the optimizer state (as MXNet's fused ``sgd_mom_update``), so updates are
+asynchronous and ordered after backward by the engine.
+
+Formulas (per element; ``g = rescale_grad * grad``, clipped to ±clip_gradient if set):
+
+* SGD (PyTorch's ``torch.optim.SGD`` convention): ``g += wd * w``; with momentum
+  ``buf = momentum * buf + g`` (``buf = g`` on the first step); nesterov uses
+  ``g + momentum * buf``, else ``buf``; ``w -= lr * step``.
+* Adam (Kingma & Ba 2015, Algorithm 1, with bias correction): ``g += wd * w`` (L2);
+  ``m = b1 m + (1-b1) g``; ``v = b2 v + (1-b2) g²``; ``w -= lr * m̂ / (sqrt(v̂) + eps)``.
+* AdamW (Loshchilov & Hutter 2019): as Adam without the L2 term, plus decoupled
+  ``w -= lr * wd * w`` (applied before the Adam step, as PyTorch).
+"""
+import numpy as np
+
+from .. import engine as _engine
+
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "create"]
+
+
+class Optimizer:
+    """Base class. ``lr`` (learning rate), ``wd`` (weight decay), ``rescale_grad`` (set by the
+    Trainer to 1 / batch_size), ``clip_gradient`` (None or a positive float).
+
+    Raises:
+        ValueError: negative learning rate or weight decay.
+    """
+
+    state_names = ()
+
+    def __init__(self, learning_rate=0.01, wd=0.0, rescale_grad=1.0, clip_gradient=None,
+                 lr=None):
+        lr = learning_rate if lr is None else lr
+        if lr < 0:
+            raise ValueError(f"learning_rate: expected >= 0, got {lr}")
+        if wd < 0:
+            raise ValueError(f"wd: expected >= 0, got {wd}")
+        self.lr, self.wd = float(lr), float(wd)
+        self.rescale_grad = float(rescale_grad)
+        self.clip_gradient = None if clip_gradient is None else float(clip_gradient)
+        self.num_update = 0
+
+    @property
+    def learning_rate(self):
+        return self.lr
+
+    def set_learning_rate(self, lr):
+        if lr < 0:
+            raise ValueError(f"learning_rate: expected >= 0, got {lr}")
+        self.lr = float(lr)
+
+    def create_state(self, weight):
+        """A dict name -> NumPy array of optimizer state for ``weight`` (an NDArray)."""
+        return {n: np.zeros(weight.shape, weight.dtype) for n in self.state_names}
+
+    def _grad(self, g, w, wd):
+        g = g * w.dtype.type(self.rescale_grad) if self.rescale_grad != 1.0 else g
+        if self.clip_gradient is not None:
+            g = np.clip(g, -self.clip_gradient, self.clip_gradient)
+        if wd:
+            g = g + w.dtype.type(wd) * w
+        return g
+
+    def step_kernel(self, w, g, state, lr, wd, t):
+        """NumPy update: returns the new weight (a new array; state arrays may be replaced in
+        ``state``). ``t`` is the 1-based update count of this parameter."""
+        raise NotImplementedError
+
+    def update(self, weight, grad, state, lr_mult=1.0, wd_mult=1.0, priority=0):
+        """Push one engine op: ``weight`` and ``state`` are updated from ``grad``.
+
+        ``state`` is a dict {'t': int, 'arrays': {name: np.ndarray}, 'var': engine Var}.
+        """
+        lr, wd = self.lr * lr_mult, self.wd * wd_mult
+        state["t"] += 1
+        t = state["t"]
+        kern = self.step_kernel
+
+        def update():
+            weight._data = kern(weight._data, grad._data, state["arrays"], lr, wd, t)
+
+        _engine.push(update, [grad._var], [weight._var, state["var"]], weight.device,
+                     priority, f"{type(self).__name__.lower()}_update")
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent with momentum, weight decay and Nesterov momentum."""
+
+    def __init__(self, learning_rate=0.01, momentum=0.0, wd=0.0, nesterov=False, **kw):
+        super().__init__(learning_rate, wd, **kw)
+        if not 0.0 <= momentum < 1.0 + 1e-12:
+            raise ValueError(f"momentum: expected in [0, 1], got {momentum}")
+        if nesterov and momentum == 0:
+            raise ValueError("nesterov: requires momentum > 0")
+        self.momentum, self.nesterov = float(momentum), bool(nesterov)
+        self.state_names = ("momentum",) if momentum else ()
+
+    def step_kernel(self, w, g, st, lr, wd, t):
+        g = self._grad(g, w, wd)
+        if self.momentum:
+            buf = g.copy() if t == 1 else st["momentum"] * w.dtype.type(self.momentum) + g
+            st["momentum"] = buf
+            g = g + w.dtype.type(self.momentum) * buf if self.nesterov else buf
+        return w - w.dtype.type(lr) * g
+
+
+class Adam(Optimizer):
+    """Adam (Kingma & Ba 2015) with bias correction; ``wd`` is an L2 term added to the gradient."""
+
+    state_names = ("mean", "var")
+    decoupled = False
+
+    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, wd=0.0, **kw):
+        super().__init__(learning_rate, wd, **kw)
+        for n, b in (("beta1", beta1), ("beta2", beta2)):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"{n}: expected in [0, 1), got {b}")
+        self.beta1, self.beta2, self.epsilon = float(beta1), float(beta2), float(epsilon)
+
+    def step_kernel(self, w, g, st, lr, wd, t):
+        dt = w.dtype.type
+        if self.decoupled:
+            g = self._grad(g, w, 0.0)
+            w = w * dt(1.0 - lr * wd)
+        else:
+            g = self._grad(g, w, wd)
+        b1, b2 = self.beta1, self.beta2
+        m = st["mean"] * dt(b1) + g * dt(1 - b1)
+        v = st["var"] * dt(b2) + np.square(g) * dt(1 - b2)
+        st["mean"], st["var"] = m, v
+        mhat = m / dt(1 - b1 ** t)
+        vhat = v / dt(1 - b2 ** t)
+        return w - dt(lr) * mhat / (np.sqrt(vhat) + dt(self.epsilon))
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay (Loshchilov & Hutter 2019); default wd 0.01."""
+
+    decoupled = True
+
+    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, wd=0.01, **kw):
+        super().__init__(learning_rate, beta1, beta2, epsilon, wd, **kw)
+
+
+_NAMES = {"sgd": SGD, "adam": Adam, "adamw": AdamW}
+
+
+def create(name, **kwargs):
+    """An optimizer from a name ('sgd', 'adam', 'adamw') or an instance.
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if isinstance(name, Optimizer):
+        return name
+    key = str(name).lower()
+    if key not in _NAMES:
+        raise ValueError(f"optimizer: expected one of {sorted(_NAMES)} or an Optimizer, got {name!r}")
+    return _NAMES[key](**kwargs)

@@ -1,0 +1,182 @@
+"""Trainer: applies an optimizer to a set of Parameters (MXNet Gluon's Trainer)."""
+import json
+import os
+
+import numpy as np
+
+from .. import engine as _engine
+from ..engine import Var
+from ..nn.parameter import Parameter, ParameterDict
+from .optimizer import Optimizer, create
+
+__all__ = ["Trainer"]
+
+
+class Trainer:
+    """``Trainer(params, optimizer='sgd', optimizer_params=None, kvstore=None)``.
+
+    ``step(batch_size)`` rescales gradients by 1 / batch_size and pushes one update op per
+    parameter copy. With several devices per parameter, gradients are first aggregated by a
+    KVStore (``kvstore='device'`` ring allreduce or ``'local'``; default 'device' when there
+    is more than one device; ``'dist'`` across processes), so every copy takes the same update.
+
+    Raises:
+        TypeError: ``params`` is not a ParameterDict, dict or list of Parameters.
+        ValueError: unknown optimizer.
+    """
+
+    def __init__(self, params, optimizer="sgd", optimizer_params=None, kvstore=None,
+                 update_on_kvstore=None):
+        if isinstance(params, dict):
+            plist = list(params.values())
+        elif isinstance(params, (list, tuple)):
+            plist = list(params)
+        else:
+            raise TypeError(f"params: expected a ParameterDict, dict or list of Parameters, got "
+                            f"{type(params).__name__}")
+        for p in plist:
+            if not isinstance(p, Parameter):
+                raise TypeError(f"params: expected Parameters, got {type(p).__name__}")
+        self._params = [p for p in plist if p.grad_req != "null"]
+        self._all_params = plist
+        self._names = [p.name for p in self._params]
+        self._optimizer = create(optimizer, **(optimizer_params or {})) if not isinstance(
+            optimizer, Optimizer) else optimizer
+        if isinstance(optimizer, Optimizer) and optimizer_params:
+            raise ValueError("optimizer_params: must be None when optimizer is an Optimizer instance")
+        self._states = {}
+        self._kv_spec = kvstore
+        self._kv = None
+        self._kv_ready = False
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def learning_rate(self):
+        """The optimizer's current learning rate."""
+        return self._optimizer.lr
+
+    def set_learning_rate(self, lr):
+        """Change the learning rate (e.g. from a schedule)."""
+        self._optimizer.set_learning_rate(lr)
+
+    @property
+    def optimizer(self):
+        return self._optimizer
+
+    # ------------------------------------------------------------------ stepping
+    def _state(self, key, weight):
+        st = self._states.get(key)
+        if st is None:
+            st = self._states[key] = {"t": 0, "arrays": self._optimizer.create_state(weight),
+                                      "var": Var("optimizer_state")}
+        return st
+
+    def _init_kvstore(self):
+        self._kv_ready = True
+        multi = any(len(p.list_device()) > 1 for p in self._params)
+        spec = self._kv_spec
+        if spec is None and not multi:
+            return
+        from .. import kv
+        if spec is None:
+            spec = "device"
+        self._kv = spec if not isinstance(spec, str) else kv.create(spec)
+        for i, p in enumerate(self._params):
+            self._kv.init(i, p.list_data())
+
+    def allreduce_grads(self):
+        """Sum each parameter's gradients over its device copies (and processes), in place."""
+        if not self._kv_ready:
+            self._init_kvstore()
+        if self._kv is None:
+            return
+        n = len(self._params)
+        for i in reversed(range(n)):          # last layers first (their grads are ready first)
+            p = self._params[i]
+            grads = p.list_grad()
+            self._kv.pushpull(i, grads, out=grads, priority=-i)
+
+    def step(self, batch_size, ignore_stale_grad=False):
+        """One optimization step: aggregate gradients, then update every parameter copy.
+
+        Args:
+            batch_size (int): gradients are scaled by 1 / batch_size (the loss is a sum over
+                the batch in the usual ``loss.backward()``).
+
+        Raises:
+            ValueError: batch_size <= 0.
+        """
+        if not batch_size or batch_size <= 0:
+            raise ValueError(f"batch_size: expected a positive number, got {batch_size!r}")
+        self.allreduce_grads()
+        self.update(batch_size)
+
+    def update(self, batch_size):
+        """Apply the optimizer (no gradient aggregation)."""
+        opt = self._optimizer
+        opt.rescale_grad = 1.0 / batch_size
+        opt.num_update += 1
+        for i, p in enumerate(self._params):
+            for d, w in zip(p.list_device(), p.list_data()):
+                opt.update(w, w.grad, self._state((i, d), w), p.lr_mult, p.wd_mult)
+
+    def zero_grad(self):
+        """Zero the gradients of all trained parameters."""
+        for p in self._params:
+            p.zero_grad()
+
+    # ------------------------------------------------------------------ states
+    def save_states(self, path):
+        """Save optimizer state (safetensors; step counts and hyper-parameters in metadata),
+        written to a temporary file then renamed."""
+        from safetensors.numpy import save_file
+        from ..nn.block import _atomic_write
+        _engine.waitall()
+        tensors, counts = {}, {}
+        for (i, d), st in self._states.items():
+            key = f"{self._names[i]}@{d}"
+            counts[key] = st["t"]
+            for n, a in st["arrays"].items():
+                tensors[f"{key}/{n}"] = np.ascontiguousarray(a)
+        meta = {"format": "hybridl-trainer", "optimizer": type(self._optimizer).__name__,
+                "counts": json.dumps(counts), "num_update": str(self._optimizer.num_update),
+                "lr": repr(self._optimizer.lr)}
+        _atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
+
+    def load_states(self, path):
+        """Load optimizer state saved by :meth:`save_states`.
+
+        Raises:
+            FileNotFoundError, ValueError: missing file, corrupt file, or another optimizer.
+        """
+        from safetensors import safe_open
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"load_states: no such file: {path!r}")
+        try:
+            with safe_open(path, framework="numpy") as f:
+                meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"load_states: {path!r} is not a valid trainer state file ({e})") from None
+        if meta.get("format") != "hybridl-trainer":
+            raise ValueError(f"load_states: {path!r} is not a hybridl trainer state file")
+        if meta.get("optimizer") != type(self._optimizer).__name__:
+            raise ValueError(f"load_states: {path!r} holds {meta.get('optimizer')} state, this "
+                             f"trainer uses {type(self._optimizer).__name__}")
+        counts = json.loads(meta["counts"])
+        _engine.waitall()
+        self._states = {}
+        for i, p in enumerate(self._params):
+            for d, w in zip(p.list_device(), p.list_data()):
+                key = f"{self._names[i]}@{d}"
+                if key not in counts:
+                    continue
+                st = self._state((i, d), w)
+                st["t"] = counts[key]
+                for n in list(st["arrays"]):
+                    st["arrays"][n] = tensors[f"{key}/{n}"].copy()
+        self._optimizer.num_update = int(meta.get("num_update", 0))
+        self._optimizer.lr = float(meta.get("lr", self._optimizer.lr))
+
+
+_ = ParameterDict
