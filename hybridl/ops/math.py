@@ -522,7 +522,7 @@ def _g_mean(c, g):
     x = c.inputs[0]
     n = numel([x.shape[a] for a in c.attrs["axis"]])
     g = _expand_back(g, x.shape, c.attrs["axis"], c.attrs["keepdims"])
-    return (broadcast_to(multiply(g, 1.0 / max(n, 1)), x.shape),)
+    return (broadcast_to(multiply(g, 1.0 / builtins.max(n, 1)), x.shape),)
 
 
 def _g_maxred(c, g):
