@@ -679,11 +679,8 @@ def _g_matmul(c, g):
     a, b = c.inputs
     a2 = reshape(a, (1,) + a.shape) if len(a.shape) == 1 else a
     b2 = reshape(b, b.shape + (1,)) if len(b.shape) == 1 else b
-    g2 = g
-    if len(a.shape) == 1:
-        g2 = expand_dims(g2, -2)
-    if len(b.shape) == 1:
-        g2 = expand_dims(g2, -1)
+    # g with the dimensions NumPy dropped for 1-D operands put back: (..., n, m)
+    g2 = reshape(g, _mm_shapes("matmul", tuple(a2.shape), tuple(b2.shape)))
     ga = matmul(g2, swapaxes(b2, -1, -2))
     gb = matmul(swapaxes(a2, -1, -2), g2)
     ga = reshape(_sum_to(ga, a2.shape), a.shape)
