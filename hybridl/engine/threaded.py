@@ -167,4 +167,8 @@ class ThreadedEngine(Engine):
 
 
 def _key_name(key):
-    return str(key).replace(" ", "")
+    """Thread-name part for a queue key: ``cpu(0)`` for a Device, ``copy-cpu(1)`` for a copy queue
+    (so profiler traces show ``hybridl-cpu(0)-w0``, ``hybridl-copy-cpu(1)-w0``)."""
+    if isinstance(key, tuple):
+        return "-".join(_key_name(k) for k in key)
+    return (key if isinstance(key, str) else repr(key)).replace(" ", "")
