@@ -367,7 +367,7 @@ class NDArray:
     def __matmul__(self, o): return M.matmul(self, o)
     def __rmatmul__(self, o): return M.matmul(o, self)
     def __neg__(self): return M.negative(self)
-    def __pos__(self): return self
+    def __pos__(self): return M.identity(self)
     def __abs__(self): return M.abs(self)
     def __eq__(self, o): return M.equal(self, o)
     def __ne__(self, o): return M.not_equal(self, o)
@@ -466,6 +466,8 @@ def _eager(op, inputs, attrs):
         meta = _op_meta(op, arrs, specs, attrs)
     reads = [a._var for a in arrs]
     writes = [o._var for o in outs]
+    if op.state_vars:
+        writes.extend(op.state_vars)
     if op.random:
         from . import random as _random
         rs = _random._state
@@ -486,7 +488,7 @@ def _eager(op, inputs, attrs):
             res = kernel(*[a._data for a in arrs], **attrs)
             for o, r in zip(outs, res):
                 o._data = r
-    eng.push(run, reads, writes, dev, 0, op.name, meta)
+    eng.push(run, reads, writes, dev, 0, op.name, meta, True)
     if _ag._state.recording and op.differentiable:
         for a in arrs:
             if a._ag is not None or a._grad_req != "null":

@@ -8,11 +8,14 @@ inputs are passed through for the interpreter to turn into constants of its own 
 __all__ = ["apply", "register_interpreter"]
 
 _INTERP = {}       # frontend value class -> interpreter function
+_PRIO = {}         # frontend value class -> priority (traced values beat NDArrays)
 
 
-def register_interpreter(cls, fn):
-    """Use ``fn(op, inputs, attrs)`` for ops whose inputs include instances of ``cls``."""
+def register_interpreter(cls, fn, priority=0):
+    """Use ``fn(op, inputs, attrs)`` for ops whose inputs include instances of ``cls``; when
+    inputs of several kinds are mixed, the kind with the highest ``priority`` decides."""
     _INTERP[cls] = fn
+    _PRIO[cls] = priority
 
 
 def apply(op, *inputs, **attrs):
@@ -21,10 +24,14 @@ def apply(op, *inputs, **attrs):
     Raises:
         TypeError: no input is a frontend value (NDArray or traced value).
     """
+    best, prio = None, -1
     for x in inputs:
-        f = _INTERP.get(type(x))
-        if f is not None:
-            return f(op, inputs, attrs)
+        t = type(x)
+        f = _INTERP.get(t)
+        if f is not None and _PRIO[t] > prio:
+            best, prio = f, _PRIO[t]
+    if best is not None:
+        return best(op, inputs, attrs)
     for x in inputs:     # subclasses
         for cls, f in _INTERP.items():
             if isinstance(x, cls):

@@ -37,6 +37,12 @@ def _sum_to(g, shape):
     return g if tuple(g.shape) == tuple(shape) else sum_to(g, shape)
 
 
+def _rs(x, shape):
+    """reshape() for gradient rules: no identity op when the shape is unchanged."""
+    shape = _resolve_shape("reshape", tuple(x.shape), (shape,) if isinstance(shape, int) else shape)
+    return x if shape == tuple(x.shape) else apply(RESHAPE, x, shape=shape)
+
+
 def _g_add(c, g):
     a, b = c.inputs
     return _sum_to(g, a.shape), _sum_to(g, b.shape)
@@ -276,7 +282,7 @@ def _sigmoid_kernel(x, out=None):
 
 SIGMOID = _u("sigmoid", _sigmoid_kernel,
              lambda c, g: (multiply(g, multiply(c.outputs[0], subtract(1.0, c.outputs[0]))),),
-             "(0.5 * (1 + tanh(0.5 * {0})))")
+             "(1 / (1 + exp(-{0})))")
 
 
 def _relu_kernel(x, out=None):
@@ -484,7 +490,7 @@ def cast(x, dtype):
     """Convert to ``dtype`` (float32, float64, int32, int64, bool)."""
     d = as_dtype(dtype)
     if d == x.dtype:
-        return x
+        return identity(x)      # a new handle: a later in-place write of x must not show here
     return apply(CAST, x, dtype=d.name)
 
 
@@ -508,7 +514,7 @@ def _red_infer(kind):
 
 def _expand_back(g, shape, axis, keepdims):
     if not keepdims:
-        g = reshape(g, reduced_shape(shape, axis, True))
+        g = _rs(g, reduced_shape(shape, axis, True))
     return g
 
 
@@ -627,7 +633,7 @@ def prod(x, axis=None, keepdims=False):
 
 def _argred(op, x, axis, keepdims, name):
     if axis is None:      # index into the flattened array; keepdims keeps every axis as 1
-        r = _reduce(op, reshape(x, (-1,)), 0, False, name)
+        r = _reduce(op, _rs(x, (-1,)), 0, False, name)
         return reshape(r, (1,) * len(x.shape)) if keepdims else r
     if isinstance(axis, (tuple, list)):
         raise TypeError(f"{name}: axis must be a single integer or None, got {axis!r}")
@@ -680,11 +686,11 @@ def _g_matmul(c, g):
     a2 = reshape(a, (1,) + a.shape) if len(a.shape) == 1 else a
     b2 = reshape(b, b.shape + (1,)) if len(b.shape) == 1 else b
     # g with the dimensions NumPy dropped for 1-D operands put back: (..., n, m)
-    g2 = reshape(g, _mm_shapes("matmul", tuple(a2.shape), tuple(b2.shape)))
+    g2 = _rs(g, _mm_shapes("matmul", tuple(a2.shape), tuple(b2.shape)))
     ga = matmul(g2, swapaxes(b2, -1, -2))
     gb = matmul(swapaxes(a2, -1, -2), g2)
-    ga = reshape(_sum_to(ga, a2.shape), a.shape)
-    gb = reshape(_sum_to(gb, b2.shape), b.shape)
+    ga = _rs(_sum_to(ga, a2.shape), a.shape)
+    gb = _rs(_sum_to(gb, b2.shape), b.shape)
     return ga, gb
 
 
@@ -740,9 +746,9 @@ def _g_fc(c, g):
     x, w = c.inputs[0], c.inputs[1]
     flatten = c.attrs["flatten"]
     k = w.shape[1]
-    x2 = reshape(x, (x.shape[0], k) if flatten else (-1, k))
-    g2 = g if len(g.shape) == 2 else reshape(g, (-1, w.shape[0]))
-    gx = reshape(matmul(g2, w), x.shape)
+    x2 = _rs(x, (x.shape[0], k) if flatten else (-1, k))
+    g2 = _rs(g, (-1, w.shape[0]))
+    gx = _rs(matmul(g2, w), x.shape)
     gw = matmul(transpose(g2), x2)
     res = (gx, gw)
     if len(c.inputs) == 3:
@@ -808,7 +814,7 @@ def reshape(x, shape):
         shape = (shape,)
     shape = _resolve_shape("reshape", tuple(x.shape), shape)
     if shape == tuple(x.shape):
-        return x
+        return identity(x)      # a new handle: a later in-place write of x must not show here
     return apply(RESHAPE, x, shape=shape)
 
 
@@ -839,7 +845,7 @@ def transpose(x, axes=None):
     if sorted(axes) != list(range(nd)):
         raise ValueError(f"transpose: axes must be a permutation of 0..{nd - 1}, got {axes}")
     if axes == tuple(range(nd)):
-        return x
+        return identity(x)
     return apply(TRANSPOSE, x, axes=axes)
 
 
@@ -898,7 +904,7 @@ def broadcast_to(x, shape):
     """Broadcast ``x`` to ``shape`` (NumPy rules; a read-only view)."""
     shape = tuple(int(s) for s in shape)
     if shape == tuple(x.shape):
-        return x
+        return identity(x)
     return apply(BROADCAST_TO, x, shape=shape)
 
 
@@ -928,7 +934,7 @@ def sum_to(x, shape):
     where ``shape`` has 1)."""
     shape = tuple(shape)
     if shape == tuple(x.shape):
-        return x
+        return identity(x)
     return apply(SUM_TO, x, shape=shape)
 
 

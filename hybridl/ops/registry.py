@@ -21,7 +21,7 @@ OPS = {}
 
 class Op:
     __slots__ = ("name", "kernel", "infer", "grad", "cost", "n_out", "ew", "differentiable",
-                 "random", "__weakref__")
+                 "random", "state_vars", "out_ok", "__weakref__")
 
     def __init__(self, name, kernel, infer, grad=None, cost=None, n_out=1, ew=None,
                  differentiable=True, random=False):
@@ -34,6 +34,12 @@ class Op:
         self.ew = ew
         self.differentiable = differentiable and grad is not None
         self.random = random     # reads and writes the engine RNG Var
+        self.state_vars = None   # extra engine Vars the kernel reads and writes (e.g. buffers)
+        try:
+            import inspect
+            self.out_ok = "out" in inspect.signature(kernel).parameters
+        except (TypeError, ValueError):
+            self.out_ok = False
 
     def __repr__(self):
         return f"Op({self.name})"

@@ -1,0 +1,37 @@
+"""``hl.graph``: the compiler (DESIGN §4): IR, tracing, passes, codegen, compiled execution.
+
+    x = hl.sym.var('x', shape=(4,)); y = hl.sym.var('y', shape=(4,))
+    prog = hl.compile((x + y) * 2)          # .graph, .source, .memory_plan
+    prog(np.ones(4), np.ones(4))            # -> NDArray, one engine op
+"""
+from . import passes  # noqa: F401
+from .autodiff import gradient, split_forward_backward  # noqa: F401
+from .hybrid import cache_info, jit  # noqa: F401
+from .ir import Graph, Node, Symbol, TracingError, const, var  # noqa: F401
+from .passes import DEFAULT_PASSES, PASSES, fusion_threshold, set_fusion_threshold  # noqa: F401
+from .program import Program
+
+__all__ = ["Graph", "Node", "Symbol", "TracingError", "var", "const", "compile", "jit",
+           "gradient", "passes", "Program", "cache_info"]
+
+
+def compile(outputs, passes=None, inputs=None, name="program"):  # noqa: A001 - hl.compile
+    """Compile symbolic ``outputs`` (a Symbol or a list) into a :class:`Program`.
+
+    Args:
+        outputs: Symbol or list of Symbols built from ``hl.sym.var`` inputs.
+        passes: pass names (see ``hl.graph.PASSES``) or None for the defaults.
+        inputs: the input Symbols in calling order (default: every ``var`` reachable, in
+            creation order).
+
+    Returns:
+        Program with ``.source``, ``.graph``, ``.memory_plan``; call it with one array per input.
+
+    Raises:
+        ValueError: an unknown pass name.
+    """
+    outs = [outputs] if isinstance(outputs, Symbol) else list(outputs)
+    if inputs is None:
+        g = Graph([], outs)
+        inputs = [n.out() for n in g.nodes if n.kind == "input"]
+    return Program(Graph(list(inputs), outs), passes, name)

@@ -1,0 +1,267 @@
+"""Hybridization: trace a HybridBlock's forward (or a function) into a Graph, compile it, cache
+one program per call signature, and run it as one engine op.
+
+Signature = (input shapes, dtypes, devices; training mode; autograd recording; which inputs
+need gradients). On a cache miss the reason is recorded (``cache_info()``); after
+``RETRACE_WARN`` misses a warning says why the program keeps being retraced.
+
+Parameters are program *inputs*, read through ``Parameter.data()`` during tracing, never
+baked-in constants: ``set_data`` or an optimizer update is seen by the next call. Writes to
+parameters during the forward (BatchNorm running statistics) become extra program outputs
+that are assigned back after the call. Under ``autograd.record()`` the program is the forward
+half of the joint forward+backward program (``gradient`` pass + split); its gradient rule runs
+the compiled backward half, so ``loss.backward()`` runs compiled code too.
+"""
+import functools
+import warnings
+
+from .. import autograd
+from ..ndarray import NDArray
+from ..ops import math as M
+from ..ops.dispatch import apply
+from . import trace as _trace
+from .autodiff import gradient, split_forward_backward
+from .ir import Graph, Node, TracingError
+from .program import Program
+
+__all__ = ["call_cached", "jit", "CacheInfo", "RETRACE_WARN", "trace_graph"]
+
+RETRACE_WARN = 8
+
+
+class CacheInfo(dict):
+    """``{'hits', 'misses', 'reasons', 'programs'}`` with attribute access."""
+
+    __getattr__ = dict.__getitem__
+
+
+class _TraceCtx:
+    def __init__(self):
+        self.params = []          # Parameters in first-use order
+        self.syms = {}            # id(param) -> Symbol
+        self.side_effects = []    # (Parameter, Symbol)
+
+    def param_value(self, param):
+        s = self.syms.get(id(param))
+        if s is None:
+            param._check_init()
+            s = Node("param", specs=[(param.shape, param.dtype)], name=param.name or "param",
+                     param=param).out()
+            self.syms[id(param)] = s
+            self.params.append(param)
+        return s
+
+
+class _Compiled:
+    """One cached entry: the forward Program (+ backward), and how to map its outputs."""
+
+    def __init__(self, fwd, n_user, single, side_params, params, bwd=None):
+        self.fwd, self.n_user, self.single = fwd, n_user, single
+        self.side_params, self.params, self.bwd = side_params, params, bwd
+
+    @property
+    def source(self):
+        return self.fwd.source
+
+
+def trace_graph(fn, args, static=None):
+    """Trace ``fn(*args)`` on symbolic inputs. Returns (graph inputs, user outputs, single?,
+    ctx) where graph inputs are the data inputs followed by the parameters read."""
+    ctx = _TraceCtx()
+    syms = [Node("input", specs=[(tuple(a.shape), a.dtype)], name=f"data{i}").out()
+            for i, a in enumerate(args)]
+    with _trace.tracing(ctx), autograd.pause(autograd.is_training()):
+        out = fn(*syms, **(static or {}))
+    single = not isinstance(out, (tuple, list))
+    outs = [out] if single else list(out)
+    from .ir import Symbol
+    for i, o in enumerate(outs):
+        if not isinstance(o, Symbol):
+            raise TracingError(f"hybridized forward must return traced arrays; output {i} is "
+                               f"{type(o).__name__}")
+    # an output that is a program input is returned as a copy (outputs never alias inputs)
+    outs = [M.identity(o) if o.node.kind in ("input", "param") else o for o in outs]
+    return syms + [ctx.syms[id(p)] for p in ctx.params], outs, single, ctx
+
+
+def _build(fn, args, name, passes, want_grad_data, static=None):
+    inputs, outs, single, ctx = trace_graph(fn, args, static)
+    params = ctx.params
+    n_data = len(args)
+    side_params = [p for p, _ in ctx.side_effects]
+    side_vals = [s for _, s in ctx.side_effects]
+    wrt = []
+    if autograd.is_recording():
+        wrt = [i for i in range(n_data) if want_grad_data[i] and inputs[i].dtype.kind == "f"]
+        wrt += [n_data + j for j, p in enumerate(params) if p.grad_req != "null"
+                and p.dtype.kind == "f"]
+    if not wrt:
+        prog = Program(Graph(inputs, outs + side_vals), passes, name)
+        return _Compiled(prog, len(outs), single, side_params, params)
+    joint, cots, wrt = gradient(Graph(inputs, outs), wrt)
+    fwd_g, bwd_g, res_spec = split_forward_backward(joint, len(inputs), len(outs))
+    fwd_g = Graph(fwd_g.inputs, fwd_g.outputs + side_vals)
+    bwd = Program(bwd_g, passes, name + ".backward")
+    n_user, n_in = len(outs), len(inputs)
+    float_out = [c is not None for c in cots]
+    bop = bwd.op
+
+    def grad(c, *ogs):
+        cot = []
+        for k in range(n_user):
+            if not float_out[k]:
+                continue
+            g = ogs[k]
+            cot.append(g if g is not None else M.zeros_like_op(c.outputs[k]))
+        res = [c.inputs[i] if kind == "input" else c.outputs[i] for kind, i in res_spec]
+        gs = apply(bop, *res, *cot)
+        gs = gs if isinstance(gs, tuple) else (gs,)
+        full = [None] * n_in
+        for k, idx in enumerate(wrt):
+            full[idx] = gs[k]
+        return tuple(full)
+
+    prog = Program(fwd_g, passes, name, grad=grad)
+    return _Compiled(prog, n_user, single, side_params, params, bwd)
+
+
+def _signature(args):
+    sig = []
+    for a in args:
+        if not isinstance(a, NDArray):
+            raise TypeError(f"hybridized call: inputs must be NDArrays, got {type(a).__name__} "
+                            f"(wrap data with hl.nd.array)")
+        sig.append((tuple(a.shape), a.dtype.str, a.device, a._ag is not None or a._grad_req != "null"))
+    return (tuple(sig), autograd.is_training(), autograd.is_recording())
+
+
+def _miss_reason(sig, known):
+    if not known:
+        return "first call"
+    best = None
+    for k in known:
+        diffs = []
+        (a_in, a_tr, a_rec), (b_in, b_tr, b_rec) = k, sig
+        if len(a_in) != len(b_in):
+            diffs.append(f"number of inputs {len(a_in)} -> {len(b_in)}")
+        else:
+            for i, (x, y) in enumerate(zip(a_in, b_in)):
+                for j, what in enumerate(("shape", "dtype", "device", "requires grad")):
+                    if x[j] != y[j]:
+                        diffs.append(f"input {i} {what} {x[j]} -> {y[j]}")
+        if a_tr != b_tr:
+            diffs.append(f"training mode {a_tr} -> {b_tr}")
+        if a_rec != b_rec:
+            diffs.append(f"autograd recording {a_rec} -> {b_rec}")
+        if best is None or len(diffs) < len(best):
+            best = diffs
+    return "; ".join(best) or "new signature"
+
+
+class _Cache:
+    def __init__(self):
+        self.entries = {}
+        self.hits = 0
+        self.misses = 0
+        self.reasons = []
+        self.warned = False
+
+    def info(self):
+        return CacheInfo(hits=self.hits, misses=self.misses, reasons=list(self.reasons),
+                         programs=len(self.entries))
+
+    def lookup(self, sig, owner):
+        e = self.entries.get(sig)
+        if e is not None:
+            self.hits += 1
+            return e
+        self.misses += 1
+        self.reasons.append(_miss_reason(sig, list(self.entries)))
+        if self.misses > RETRACE_WARN and not self.warned:
+            self.warned = True
+            warnings.warn(f"{owner} was retraced {self.misses} times; last reasons: "
+                          f"{self.reasons[-3:]}. Keep input shapes fixed (e.g. last_batch="
+                          f"'discard'), or call it imperatively.", RuntimeWarning, stacklevel=4)
+        return None
+
+
+def _run(entry, args):
+    dev = args[0].device if args else None
+    pvals = [p.data(dev) for p in entry.params]
+    outs = apply(entry.fwd.op, *args, *pvals)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    if entry.side_params:
+        side = outs[-len(entry.side_params):]
+        with autograd.pause(autograd.is_training()):
+            for p, v in zip(entry.side_params, side):
+                p.data(dev)._assign(v)
+    user = outs[:entry.n_user]
+    return user[0] if entry.single else tuple(user)
+
+
+def call_cached(block, args):
+    """Run ``block`` hybridized on ``args`` (NDArrays): look up or build the program."""
+    cache = block.__dict__.get("_hcache")
+    if cache is None or block._cached is None:
+        cache = _Cache() if cache is None else cache
+        cache.entries = {}
+        object.__setattr__(block, "_hcache", cache)
+        object.__setattr__(block, "_cached", cache.entries)
+    sig = _signature(args)
+    entry = cache.lookup(sig, type(block).__name__)
+    if entry is None:
+        entry = _build(block.forward, args, type(block).__name__,
+                       block._hybrid_flags.get("passes"), [s[3] for s in sig[0]])
+        cache.entries[sig] = entry
+        object.__setattr__(block, "_last_program", entry)
+    return _run(entry, args)
+
+
+def cache_info(block):
+    """Hits, misses, miss reasons and number of cached programs of a hybridized block."""
+    c = block.__dict__.get("_hcache")
+    return c.info() if c is not None else CacheInfo(hits=0, misses=0, reasons=[], programs=0)
+
+
+class _JitFunction:
+    def __init__(self, fn, static_argnames, passes):
+        functools.update_wrapper(self, fn)
+        self._fn = fn
+        self._static = tuple(static_argnames or ())
+        self._passes = passes
+        self._cache = _Cache()
+
+    def __call__(self, *args, **kwargs):
+        static = {k: kwargs.pop(k) for k in list(kwargs) if k in self._static}
+        if kwargs:
+            raise TypeError(f"{self._fn.__name__}: keyword arguments {sorted(kwargs)} are not "
+                            f"static_argnames {self._static}; pass arrays positionally")
+        sig = (_signature(args), tuple(sorted(static.items())))
+        entry = self._cache.entries.get(sig)
+        if entry is None:
+            self._cache.misses += 1
+            self._cache.reasons.append(_miss_reason(sig[0], [k[0] for k in self._cache.entries])
+                                       if not any(k[1] != sig[1] for k in self._cache.entries)
+                                       else f"static arguments {sig[1]}")
+            entry = _build(self._fn, args, self._fn.__name__, self._passes,
+                           [s[3] for s in sig[0][0]], static)
+            self._cache.entries[sig] = entry
+            self.last_program = entry
+        else:
+            self._cache.hits += 1
+        return _run(entry, args)
+
+    def cache_info(self):
+        """Hits, misses, miss reasons and number of cached programs."""
+        return self._cache.info()
+
+
+def jit(fn=None, *, static_argnames=None, passes=None):
+    """Compile a function of NDArrays (``@hl.jit`` or ``@hl.jit(static_argnames=('n',))``).
+
+    The function is traced on its first call per signature; static arguments (by name) are
+    Python values baked into the program, one program per distinct value.
+    """
+    if fn is None:
+        return lambda f: _JitFunction(f, static_argnames, passes)
+    return _JitFunction(fn, static_argnames, passes)

@@ -1,0 +1,350 @@
+"""Graph IR: nodes, symbolic values, graphs.
+
+A :class:`Node` is an op applied to input :class:`Symbol` s (or a leaf: a program input, a
+parameter, a constant). A :class:`Symbol` is one output of a node and carries its shape and
+dtype, so every value in a graph has a known shape and dtype. Symbols support the same
+operators and methods as NDArray; applying an op to Symbols (through the one ``apply``, DESIGN
+§2) builds nodes instead of computing. A :class:`Graph` is the set of nodes reachable from
+chosen outputs, in a topological order that keeps the trace order (so random ops draw in the
+same order as eager code).
+"""
+import itertools
+import numbers
+import sys
+
+import numpy as np
+
+from ..ops import math as M
+from ..ops.dispatch import register_interpreter
+from ..ops.registry import Op
+
+__all__ = ["Node", "Symbol", "Graph", "TracingError", "var", "const"]
+
+_ids = itertools.count()
+
+
+class TracingError(RuntimeError):
+    """Python control flow or I/O that needs a traced value's *value* while tracing."""
+
+
+class Node:
+    """One operation (``kind == 'op'``) or a leaf (``'input'``, ``'param'``, ``'const'``).
+
+    Attributes:
+        op (Op or None), inputs (list of Symbol), attrs (dict), specs (list of (shape, dtype)),
+        name (str), value (np.ndarray for constants), param (the Parameter for 'param' leaves).
+    """
+
+    __slots__ = ("id", "kind", "op", "inputs", "attrs", "specs", "name", "value", "param")
+
+    def __init__(self, kind, op=None, inputs=(), attrs=None, specs=(), name=None, value=None,
+                 param=None):
+        self.id = next(_ids)
+        self.kind = kind
+        self.op = op
+        self.inputs = list(inputs)
+        self.attrs = dict(attrs or {})
+        self.specs = [(tuple(s), np.dtype(d)) for s, d in specs]
+        self.name = name or (op.name if op is not None else kind)
+        self.value = value
+        self.param = param
+
+    def out(self, i=0):
+        return Symbol(self, i)
+
+    def outputs(self):
+        return [Symbol(self, i) for i in range(len(self.specs))]
+
+    def __repr__(self):
+        return f"Node(%{self.id} {self.name})"
+
+
+class Symbol:
+    """A symbolic value: output ``index`` of ``node``, with ``shape`` and ``dtype``.
+
+    Reading its value during tracing (``bool()``, ``float()``, ``int()``, ``asnumpy()``,
+    ``item()``) raises :class:`TracingError` naming the user's line.
+    """
+
+    __slots__ = ("node", "index", "shape", "dtype", "__weakref__")
+    __array_priority__ = 1001.0
+
+    def __init__(self, node, index=0):
+        self.node = node
+        self.index = index
+        self.shape, self.dtype = node.specs[index]
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @property
+    def size(self):
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def device(self):
+        return None
+
+    @property
+    def name(self):
+        return self.node.name
+
+    def key(self):
+        return (self.node.id, self.index)
+
+    def __repr__(self):
+        return f"Symbol(%{self.node.id}:{self.index} {self.node.name} {self.shape} {self.dtype})"
+
+    # value access is not possible while tracing
+    def _no_value(self, what):
+        raise TracingError(
+            f"{what} needs the value of a traced array while hybridizing, at {_user_site()}. "
+            f"A compiled program cannot branch on data: use hl.nd.where(cond, a, b) for "
+            f"value-dependent choices, or run this block imperatively with "
+            f"net.hybridize(False) (or without @hl.jit).")
+
+    def __bool__(self):
+        self._no_value("bool()")
+
+    def __float__(self):
+        self._no_value("float()")
+
+    def __int__(self):
+        self._no_value("int()")
+
+    def __index__(self):
+        self._no_value("using a traced array as an index")
+
+    def asnumpy(self):
+        self._no_value("asnumpy()")
+
+    def item(self):
+        self._no_value("item()")
+
+    def wait_to_read(self):
+        self._no_value("wait_to_read()")
+
+    def __array__(self, *a, **k):
+        self._no_value("conversion to a NumPy array")
+
+    def __len__(self):
+        if not self.shape:
+            raise TypeError("len() of a 0-d array")
+        return self.shape[0]
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+
+    __hash__ = object.__hash__
+
+    def _assign(self, src):
+        """Record a write of ``src`` into the parameter this symbol stands for (a side effect
+        of the program, e.g. BatchNorm running statistics)."""
+        from . import trace as _trace
+        ctx = _trace.current_context()
+        if ctx is None or self.node.kind != "param":
+            raise TracingError(f"assignment to a traced value that is not a parameter, at {_user_site()}")
+        if not isinstance(src, Symbol):
+            src = const(np.asarray(src, self.dtype))
+        if src.shape != self.shape:
+            raise ValueError(f"assign: value of shape {src.shape} does not match {self.shape}")
+        ctx.side_effects.append((self.node.param, src))
+
+    def astype(self, dtype, copy=True):
+        return M.cast(self, dtype)
+
+    def attach_grad(self, *a, **k):
+        raise TracingError(f"attach_grad() on a traced value, at {_user_site()}")
+
+
+def _copy_methods():
+    from ..ndarray import NDArray
+    skip = {"__init__", "wait_to_read", "asnumpy", "item", "__array__", "__repr__", "__str__",
+            "__bool__", "__float__", "__int__", "__index__", "__len__", "__iter__", "__hash__",
+            "attach_grad", "backward", "detach", "copyto", "to", "as_in_device", "_assign",
+            "__setitem__", "_inplace", "__iadd__", "__isub__", "__imul__", "__itruediv__",
+            "astype", "grad", "grad_req", "ndim", "size", "zeros_like", "ones_like",
+            "__slots__", "__weakref__", "__module__", "__doc__", "__array_priority__"}
+    for name, val in NDArray.__dict__.items():
+        if name in skip or name in Symbol.__dict__:
+            continue
+        if callable(val) or isinstance(val, property):
+            setattr(Symbol, name, val)
+    Symbol.zeros_like = lambda self: M.zeros_like_op(self)
+    Symbol.ones_like = lambda self: M.ones_like_op(self)
+
+
+def _user_site():
+    """'file:line' of the innermost frame outside the hybridl package."""
+    import os
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    f = sys._getframe(1)
+    while f is not None:
+        fn = os.path.abspath(f.f_code.co_filename)
+        if not fn.startswith(pkg + os.sep):
+            return f"{f.f_code.co_filename}:{f.f_lineno} (in {f.f_code.co_name})"
+        f = f.f_back
+    return "<unknown>"
+
+
+# ---------------------------------------------------------------------------- leaves
+
+
+def var(name, shape=None, dtype=None):
+    """A symbolic program input (``hl.sym.var``).
+
+    Args:
+        name (str): the input's name (``compiled(name=value)`` or positional order).
+        shape (tuple): required to compile; every value in a graph has a known shape.
+        dtype: default float32.
+
+    Raises:
+        ValueError: shape missing or negative.
+    """
+    from ..ops._util import F32, as_dtype
+    if shape is None:
+        raise ValueError(f"var {name!r}: shape is required (every value in a graph has a known "
+                         f"shape), e.g. hl.sym.var({name!r}, shape=(32, 784))")
+    shape = tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape):
+        raise ValueError(f"var {name!r}: shape must be >= 0, got {shape}")
+    return Node("input", specs=[(shape, as_dtype(dtype or F32))], name=name).out()
+
+
+def const(value, dtype=None):
+    """A constant Symbol holding ``value`` (a NumPy array or a number)."""
+    a = np.asarray(value, dtype=dtype)
+    if a.dtype == np.float64 and dtype is None and not isinstance(value, np.ndarray):
+        a = a.astype(np.float32)
+    return Node("const", specs=[(a.shape, a.dtype)], value=a, name="const").out()
+
+
+# ---------------------------------------------------------------------------- interpreter
+
+
+def _symbolic(op, inputs, attrs):
+    """The tracing interpreter: add a node, return its output Symbol(s)."""
+    from ..ndarray import NDArray, _scalar_dtype
+    like = next((x.dtype for x in inputs if isinstance(x, (Symbol, NDArray))), None)
+    syms = []
+    for x in inputs:
+        if isinstance(x, Symbol):
+            syms.append(x)
+        elif isinstance(x, NDArray):                  # a non-parameter array: baked in
+            syms.append(const(x.asnumpy()))
+        elif isinstance(x, (numbers.Number, np.number, np.bool_)):
+            syms.append(const(np.asarray(x, _scalar_dtype(x, like))))
+        elif isinstance(x, np.ndarray):
+            syms.append(const(x))
+        else:
+            raise TypeError(f"{op.name}: unsupported input type {type(x).__name__}")
+    specs = op.infer(*syms, **attrs)
+    node = Node("op", op, syms, attrs, specs)
+    outs = node.outputs()
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+register_interpreter(Symbol, _symbolic, priority=1)
+_copy_methods()
+
+
+# ---------------------------------------------------------------------------- graph
+
+
+class Graph:
+    """Nodes reachable from ``outputs``, topologically ordered (trace order kept).
+
+    Args:
+        inputs (list of Symbol): the program's inputs in calling order (leaves of kind
+            'input' or 'param').
+        outputs (list of Symbol).
+    """
+
+    def __init__(self, inputs, outputs):
+        self.inputs = list(inputs)
+        self.outputs = list(outputs)
+        self.nodes = _toposort(self.outputs, self.inputs)
+        for s in self.inputs:
+            if s.node.kind not in ("input", "param"):
+                raise ValueError(f"Graph: input {s!r} is not a leaf")
+
+    def op_nodes(self):
+        return [n for n in self.nodes if n.kind == "op"]
+
+    def count(self, op_name=None):
+        """Number of op nodes (of one op name, if given)."""
+        return sum(1 for n in self.op_nodes() if op_name is None or n.op.name == op_name)
+
+    def __str__(self):
+        lines = [f"graph({', '.join(f'%{s.node.id}:{s.node.name}{list(s.shape)}' for s in self.inputs)}) {{"]
+        for n in self.nodes:
+            if n.kind == "input" or n.kind == "param":
+                continue
+            outs = ", ".join(f"%{n.id}:{i} {list(s)} {d}" for i, (s, d) in enumerate(n.specs))
+            if n.kind == "const":
+                v = n.value
+                desc = repr(v.item()) if v.size == 1 else f"array{list(v.shape)}"
+                lines.append(f"  {outs} = const {desc}")
+                continue
+            ins = ", ".join(f"%{s.node.id}:{s.index}" for s in n.inputs)
+            attrs = ", ".join(f"{k}={v!r}" for k, v in n.attrs.items())
+            lines.append(f"  {outs} = {n.op.name}({ins}{', ' if attrs and ins else ''}{attrs})")
+        lines.append(f"  return {', '.join(f'%{s.node.id}:{s.index}' for s in self.outputs)}")
+        lines.append("}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _toposort(outputs, inputs=()):
+    seen = set()
+    order = []
+    stack = [(s.node, False) for s in reversed(outputs)]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            order.append(node)
+            continue
+        if node.id in seen:
+            continue
+        seen.add(node.id)
+        stack.append((node, True))
+        for s in sorted(node.inputs, key=lambda s: -s.node.id):
+            if s.node.id not in seen:
+                stack.append((s.node, False))
+    # a stable order: by creation id (trace order) is a valid topological order because a
+    # node's inputs always exist before it
+    order.sort(key=lambda n: n.id)
+    extra = [s.node for s in inputs if s.node.id not in seen]
+    return extra + order
+
+
+def rebuild(graph, rewrite):
+    """Copy ``graph`` node by node in order, calling ``rewrite(node, new_inputs)`` for each op
+    node; it returns the list of new output Symbols (or None to copy the node unchanged).
+    Returns the new Graph."""
+    mapping = {}
+    for n in graph.nodes:
+        if n.kind != "op":
+            for i in range(len(n.specs)):
+                mapping[(n.id, i)] = Symbol(n, i)
+            continue
+        ins = [mapping[s.key()] for s in n.inputs]
+        outs = rewrite(n, ins)
+        if outs is None:
+            if all(a is b or (a.node is b.node and a.index == b.index) for a, b in zip(ins, n.inputs)):
+                outs = n.outputs()
+            else:
+                nn = Node("op", n.op, ins, n.attrs, n.specs, n.name)
+                outs = nn.outputs()
+        for i, o in enumerate(outs):
+            mapping[(n.id, i)] = o
+    return Graph(graph.inputs, [mapping[s.key()] for s in graph.outputs])
+
+
+_ = Op

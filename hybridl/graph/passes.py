@@ -1,0 +1,433 @@
+"""Graph passes: each a function ``Graph -> Graph``, selectable by name (see ``PASSES``).
+
+* ``fold_constants`` — evaluate ops whose inputs are all constants ((1 + 2) + (3 + 4) -> 10);
+* ``eliminate_common_subexpressions`` — one node per (op, inputs, attrs); equal constants merged;
+* ``eliminate_dead_code`` — keep only what the outputs need;
+* ``simplify_algebra`` — x*1, 1*x, x/1, x+0, 0+x, x-0, -(-x), transpose of transpose, reshape
+  chains, reshape/identity to the same shape;
+* ``fuse_elementwise`` — chains of elementwise ops with one consumer each become one numexpr
+  kernel (one pass over memory) when the arrays have at least ``fusion_threshold()`` elements;
+* ``plan_memory`` — liveness analysis and buffer reuse (see :func:`plan_memory`).
+
+The symbolic ``gradient`` lives in :mod:`hybridl.graph.autodiff`. Every pass keeps the graph's
+meaning: the tests check each on random graphs and inputs (hypothesis).
+"""
+import os
+
+import numpy as np
+
+from ..ops.registry import Op, register
+from .ir import Graph, Node, Symbol, const, rebuild
+
+__all__ = ["fold_constants", "eliminate_common_subexpressions", "eliminate_dead_code",
+           "simplify_algebra", "fuse_elementwise", "plan_memory", "PASSES", "DEFAULT_PASSES",
+           "run_passes", "fusion_threshold", "set_fusion_threshold", "MemoryPlan"]
+
+_MAX_FOLD_ELEMS = 1 << 20     # do not materialise huge constants at compile time
+
+
+def _is_const(s):
+    return s.node.kind == "const"
+
+
+def fold_constants(graph):
+    """Replace every op whose inputs are all constants (and that draws no random numbers) by a
+    constant holding its value, computed now with the op's kernel."""
+    def rw(node, ins):
+        if node.op.random or not ins or not all(_is_const(s) for s in ins):
+            return None
+        if sum(int(np.prod(s)) for s, _ in node.specs) > _MAX_FOLD_ELEMS:
+            return None
+        res = node.op.kernel(*[s.node.value for s in ins], **node.attrs)
+        res = res if isinstance(res, tuple) else (res,)
+        outs = []
+        for r, (shape, dt) in zip(res, node.specs):
+            a = np.array(r, dtype=dt, copy=True).reshape(shape)
+            outs.append(const(a))
+        return outs
+    return rebuild(graph, rw)
+
+
+def _freeze(v):
+    if isinstance(v, (list, tuple)):
+        return tuple(_freeze(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+    return v
+
+
+def eliminate_common_subexpressions(graph):
+    """Give each distinct (op, inputs, attributes) one node; merge equal small constants.
+    Random ops are never merged (two dropouts draw two masks)."""
+    seen = {}
+    consts = {}
+
+    def canon(s):
+        if _is_const(s) and s.node.value.size <= 64:
+            v = s.node.value
+            k = (v.dtype.str, v.shape, v.tobytes())
+            return consts.setdefault(k, s)
+        return s
+
+    def rw(node, ins):
+        ins = [canon(s) for s in ins]
+        if node.op.random:
+            return Node("op", node.op, ins, node.attrs, node.specs, node.name).outputs()
+        key = (node.op.name, tuple(s.key() for s in ins), _freeze(node.attrs))
+        hit = seen.get(key)
+        if hit is not None:
+            return hit
+        nn = Node("op", node.op, ins, node.attrs, node.specs, node.name)
+        seen[key] = nn.outputs()
+        return seen[key]
+    g = rebuild(graph, rw)
+    return Graph(g.inputs, [canon(s) for s in g.outputs])
+
+
+def eliminate_dead_code(graph):
+    """Drop every node that no output depends on (the program inputs stay)."""
+    return Graph(graph.inputs, graph.outputs)
+
+
+def _all_equal(s, value):
+    return _is_const(s) and s.node.value.size > 0 and bool(np.all(s.node.value == value))
+
+
+def simplify_algebra(graph):
+    """Algebraic identities that keep shape and dtype: x*1, 1*x, x/1, x+0, 0+x, x-0, -(-x),
+    transpose(transpose(x)), reshape(reshape(x)), reshape/broadcast/identity to the same shape."""
+    def same(a, node):
+        return tuple(a.shape) == node.specs[0][0] and a.dtype == node.specs[0][1]
+
+    def rw(node, ins):
+        name = node.op.name
+        if name in ("multiply", "add"):
+            unit = 1 if name == "multiply" else 0
+            a, b = ins
+            if _all_equal(b, unit) and same(a, node):
+                return [a]
+            if _all_equal(a, unit) and same(b, node):
+                return [b]
+        elif name in ("divide", "subtract"):
+            a, b = ins
+            if _all_equal(b, 1 if name == "divide" else 0) and same(a, node):
+                return [a]
+        elif name == "negative":
+            src = ins[0]
+            if src.node.kind == "op" and src.node.op.name == "negative":
+                return [src.node.inputs[0]]
+        elif name == "transpose":
+            src = ins[0]
+            if src.node.kind == "op" and src.node.op.name == "transpose":
+                inner, outer = src.node.attrs["axes"], node.attrs["axes"]
+                axes = tuple(inner[a] for a in outer)
+                base = src.node.inputs[0]
+                if axes == tuple(range(len(axes))):
+                    return [base]
+                return [Node("op", node.op, [base], {"axes": axes}, node.specs).out()]
+        elif name == "reshape":
+            src = ins[0]
+            if same(src, node):
+                return [src]
+            if src.node.kind == "op" and src.node.op.name == "reshape":
+                base = src.node.inputs[0]
+                if same(base, node):
+                    return [base]
+                return [Node("op", node.op, [base], node.attrs, node.specs).out()]
+        elif name in ("identity", "broadcast_to", "sum_to"):
+            if same(ins[0], node):
+                return [ins[0]]
+        return None
+    return rebuild(graph, rw)
+
+
+# ---------------------------------------------------------------------------- fusion
+
+# Measured with benchmarks/fusion_threshold.py (hl.graph.passes.measure_fusion_threshold) on
+# this project's 2-core reference machine: a 4-op float32 chain is faster in numexpr than in
+# NumPy from about 2**15 elements on (numexpr's per-call cost is ~20 us; its gain is one pass
+# over memory instead of one per op). Override with set_fusion_threshold() or
+# HYBRIDL_FUSION_THRESHOLD; measure_fusion_threshold() re-measures on the machine at hand.
+_FUSION_THRESHOLD = [int(os.environ.get("HYBRIDL_FUSION_THRESHOLD", 1 << 15))]
+
+
+def fusion_threshold():
+    """Minimum output size (elements) for which ``fuse_elementwise`` fuses a chain."""
+    return _FUSION_THRESHOLD[0]
+
+
+def set_fusion_threshold(n):
+    """Set the fusion size threshold (elements, >= 0; 0 fuses every chain).
+
+    Raises:
+        ValueError: n is negative or not an integer.
+    """
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError(f"n: expected an integer >= 0, got {n!r}")
+    _FUSION_THRESHOLD[0] = int(n)
+
+
+def measure_fusion_threshold(sizes=None, reps=15):
+    """Time a 4-op float32 elementwise chain, NumPy op by op vs one numexpr call, over sizes
+    (elements); return ``(threshold, rows)`` where threshold is the smallest size from which
+    numexpr wins at every larger size, rows = [(size, numpy_s, numexpr_s), ...] (medians)."""
+    import time
+
+    import numexpr as ne
+    sizes = sizes or [1 << k for k in range(8, 23, 1)]
+    rows = []
+    for n in sizes:
+        a = np.random.rand(n).astype(np.float32)
+        b = np.random.rand(n).astype(np.float32)
+
+        def f_np():
+            return np.maximum(np.tanh(a * b + a), 0)
+
+        def f_ne():
+            return ne.evaluate("where(tanh(a * b + a) > 0, tanh(a * b + a), 0)")
+        ts = []
+        for f in (f_np, f_ne):
+            f()
+            t = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                f()
+                t.append(time.perf_counter() - t0)
+            ts.append(float(np.median(t)))
+        rows.append((n, ts[0], ts[1]))
+    thr = None
+    for i in range(len(rows)):
+        if all(r[2] < r[1] for r in rows[i:]):
+            thr = rows[i][0]
+            break
+    return (thr if thr is not None else sizes[-1] * 2), rows
+
+
+def _fused_kernel(*arrays, expr, names, dtype, out=None):
+    import numexpr as ne
+    r = ne.evaluate(expr, local_dict=dict(zip(names, arrays)), out=out)
+    return r if r.dtype == dtype else r.astype(dtype)
+
+
+def _fused_infer(*xs, expr, names, dtype, shape):
+    return [(shape, np.dtype(dtype))]
+
+
+def _g_fused(c, g):
+    raise RuntimeError("fused_elementwise has no gradient rule: run 'gradient' before fusion")
+
+
+FUSED = register("fused_elementwise", _fused_kernel, _fused_infer, None, differentiable=False)
+FUSED.ew = None
+
+
+def fuse_elementwise(graph, threshold=None):
+    """Fuse chains of elementwise ops (``Op.ew`` templates) into one numexpr kernel.
+
+    A chain grows backwards from an elementwise node through inputs that are elementwise,
+    used only once and not graph outputs. Chains of at least 2 ops whose output has at least
+    ``threshold`` elements (default :func:`fusion_threshold`) are fused; the fused
+    expression's result dtype is checked on a tiny sample before it is accepted.
+    """
+    import numexpr as ne
+    thr = fusion_threshold() if threshold is None else threshold
+    uses = {}
+    for n in graph.nodes:
+        for s in n.inputs:
+            uses[s.key()] = uses.get(s.key(), 0) + 1
+    outs = {s.key() for s in graph.outputs}
+
+    def fusable(s):
+        n = s.node
+        return (n.kind == "op" and n.op.ew is not None and len(n.specs) == 1
+                and uses.get(s.key(), 0) == 1 and s.key() not in outs)
+
+    def rw(node, ins):
+        if node.op.ew is None or len(node.specs) != 1 or int(np.prod(node.specs[0][0])) < thr:
+            return None
+        leaves, names = [], {}
+        count = [0]
+
+        def expr_of(s, top=False):
+            if not top and fusable(s) and int(np.prod(s.shape)) >= 1:
+                count[0] += 1
+                return "(" + s.node.op.ew.format(*[expr_of(x) for x in s.node.inputs]) + ")"
+            k = s.key()
+            if k not in names:
+                names[k] = f"i{len(leaves)}"
+                leaves.append(s)
+            return names[k]
+        count[0] = 1
+        expr = node.op.ew.format(*[expr_of(x) for x in ins])
+        if count[0] < 2:
+            return None
+        shape, dt = node.specs[0]
+        try:
+            sample = {names[s.key()]: np.ones((1,) * max(len(s.shape), 0), s.dtype) for s in leaves}
+            if ne.evaluate(expr, local_dict=sample).dtype != dt:
+                return None
+        except Exception:  # noqa: BLE001 - numexpr cannot express it: keep the chain
+            return None
+        attrs = {"expr": expr, "names": tuple(names[s.key()] for s in leaves), "dtype": dt.name,
+                 "shape": shape}
+        return [Node("op", FUSED, leaves, attrs, node.specs, "fused").out()]
+    return eliminate_dead_code(rebuild(graph, rw))
+
+
+# ---------------------------------------------------------------------------- memory planning
+
+
+class MemoryPlan:
+    """Where each intermediate value lives.
+
+    Attributes:
+        buffers (list of int): byte sizes of the persistent buffers.
+        assign (dict): (node id, output index) -> buffer index, for values written with out=.
+        inplace (set): values written into the buffer of an input that dies there.
+        naive_bytes (int): bytes of every freshly allocated intermediate without reuse.
+        planned_bytes (int): buffer bytes plus values still allocated fresh (escaping ones).
+    """
+
+    def __init__(self):
+        self.buffers, self.assign, self.inplace = [], {}, set()
+        self.naive_bytes = self.planned_bytes = 0
+
+    @property
+    def ratio(self):
+        """planned_bytes / naive_bytes (lower is better)."""
+        return self.planned_bytes / self.naive_bytes if self.naive_bytes else 1.0
+
+    def __repr__(self):
+        return (f"MemoryPlan({len(self.buffers)} buffers, naive {self.naive_bytes} B, planned "
+                f"{self.planned_bytes} B, ratio {self.ratio:.2f}, {len(self.inplace)} in-place)")
+
+
+_VIEW_OPS = {"reshape", "transpose", "broadcast_to", "slice", "identity", "stop_gradient"}
+
+
+def plan_memory(graph):
+    """Liveness analysis and buffer reuse (the MXNet paper's memory planning, Chen et al. 2015).
+
+    A value gets a planned buffer when its kernel accepts ``out=``, it is not an output and no
+    output can alias it (ops without ``out=`` may return views of their inputs, so their
+    outputs extend the lifetime of the buffers they read). Buffers are reused greedily (best
+    fit) once the last reader of every value aliasing them has run; an elementwise op whose
+    input dies at that op writes in place into the input's buffer. The plan is attached as
+    ``graph.memory_plan`` and used by code generation.
+    """
+    plan = MemoryPlan()
+    nodes = graph.nodes
+    pos = {n.id: i for i, n in enumerate(nodes)}
+    out_keys = {s.key() for s in graph.outputs}
+    last_use = {}
+    consumers = {}
+    for i, n in enumerate(nodes):
+        for s in n.inputs:
+            last_use[s.key()] = i
+            consumers.setdefault(s.key(), []).append(n)
+    for s in graph.outputs:
+        last_use[s.key()] = len(nodes)
+
+    def plannable(n):
+        return n.kind == "op" and n.op.out_ok and len(n.specs) == 1
+
+    # values that escape to an output (directly or through aliasing ops)
+    escapes = set(out_keys)
+    for n in reversed(nodes):
+        if n.kind != "op":
+            continue
+        if not plannable(n) and any(o.key() in escapes for o in n.outputs()):
+            for s in n.inputs:
+                escapes.add(s.key())
+    # lifetime end of each value, extended through aliasing consumers
+    end = dict(last_use)
+    for n in reversed(nodes):
+        if n.kind != "op" or plannable(n):
+            continue
+        e = max((end.get(o.key(), pos[n.id]) for o in n.outputs()), default=pos[n.id])
+        for s in n.inputs:
+            end[s.key()] = max(end.get(s.key(), 0), e)
+
+    free = []               # (nbytes, buffer index)
+    live = []               # (end position, buffer index, key)
+    for i, n in enumerate(nodes):
+        if n.kind != "op":
+            continue
+        for (shape, dt) in n.specs:
+            if n.op.name not in _VIEW_OPS:
+                plan.naive_bytes += int(np.prod(shape)) * dt.itemsize
+        # release buffers whose values are dead before this node
+        still = []
+        for e, b, k in live:
+            if e < i:
+                free.append((plan.buffers[b], b))
+            else:
+                still.append((e, b, k))
+        live = still
+        if not plannable(n) or n.outputs()[0].key() in escapes:
+            if n.op.name not in _VIEW_OPS:
+                plan.planned_bytes += sum(int(np.prod(s)) * d.itemsize for s, d in n.specs)
+            continue
+        key = n.outputs()[0].key()
+        shape, dt = n.specs[0]
+        need = max(int(np.prod(shape)) * dt.itemsize, 1)
+        # in place: an elementwise op whose input (same shape/dtype, planned) dies here
+        if n.op.ew is not None or n.op.name == "fused_elementwise":
+            for s in n.inputs:
+                k = s.key()
+                if (k in plan.assign and end.get(k) == i and tuple(s.shape) == tuple(shape)
+                        and s.dtype == dt):
+                    b = plan.assign[k]
+                    live = [x for x in live if x[2] != k]
+                    plan.assign[key] = b
+                    plan.inplace.add(key)
+                    live.append((end.get(key, i), b, key))
+                    break
+            if key in plan.assign:
+                continue
+        fits = sorted((sz, b) for sz, b in free if sz >= need)
+        if fits:
+            sz, b = fits[0]
+            free.remove((sz, b))
+        else:
+            b = len(plan.buffers)
+            plan.buffers.append(need)
+        plan.assign[key] = b
+        live.append((end.get(key, i), b, key))
+    plan.planned_bytes += sum(plan.buffers)
+    g = Graph(graph.inputs, graph.outputs)
+    g.memory_plan = plan
+    return g
+
+
+PASSES = {
+    "fold_constants": fold_constants,
+    "simplify_algebra": simplify_algebra,
+    "eliminate_common_subexpressions": eliminate_common_subexpressions,
+    "eliminate_dead_code": eliminate_dead_code,
+    "fuse_elementwise": fuse_elementwise,
+    "plan_memory": plan_memory,
+}
+DEFAULT_PASSES = ("fold_constants", "simplify_algebra", "eliminate_common_subexpressions",
+                  "eliminate_dead_code", "fuse_elementwise", "plan_memory")
+
+
+def run_passes(graph, passes=None):
+    """Apply passes (names or functions) in order; default :data:`DEFAULT_PASSES`.
+
+    Raises:
+        ValueError: an unknown pass name (the message lists the known ones).
+    """
+    for p in DEFAULT_PASSES if passes is None else passes:
+        if isinstance(p, str):
+            if p not in PASSES:
+                raise ValueError(f"passes: unknown pass {p!r}; known: {sorted(PASSES)}")
+            p = PASSES[p]
+        plan = getattr(graph, "memory_plan", None)
+        graph = p(graph)
+        if plan is not None and not hasattr(graph, "memory_plan"):
+            graph.memory_plan = None
+    return graph
+
+
+_ = (Op, Symbol)

@@ -1,0 +1,89 @@
+"""Compiled programs: a Graph run as ONE engine op.
+
+A :class:`Program` holds the optimized graph, the generated source and memory plan, and an
+:class:`~hybridl.ops.registry.Op` whose kernel is the generated function. Applying that op to
+NDArrays goes through the same eager interpreter as any op: shapes are checked in the caller's
+thread, one engine op reads every input (parameters included) and writes every output.
+Outputs are fresh arrays on every call (planned buffers are never returned), so a result kept
+from call 1 does not change when call 2 runs.
+"""
+import numpy as np
+
+from ..engine import Var
+from ..ops.registry import Op
+from .codegen import generate
+from .passes import run_passes
+
+__all__ = ["Program", "compile_graph"]
+
+
+class Program:
+    """A compiled graph.
+
+    Attributes:
+        graph: the optimized Graph; source (str): generated Python; memory_plan: MemoryPlan or
+        None; op: the engine-level Op; in_specs / out_specs: lists of (shape, dtype);
+        compile_seconds (float).
+    """
+
+    def __init__(self, graph, passes=None, name="program", grad=None):
+        import time
+        t0 = time.perf_counter()
+        self.input_graph = graph
+        self.graph = run_passes(graph, passes)
+        self.memory_plan = getattr(self.graph, "memory_plan", None)
+        self.source, self._globals, self.fn, rnd = generate(self.graph, "program")
+        self.in_specs = [(tuple(s.shape), s.dtype) for s in self.graph.inputs]
+        self.out_specs = [(tuple(s.shape), s.dtype) for s in self.graph.outputs]
+        self.input_names = [s.node.name for s in self.graph.inputs]
+        fn = self.fn
+        n_out = len(self.out_specs)
+        in_specs, out_specs = self.in_specs, self.out_specs
+        pname = name
+
+        def infer(*xs, **attrs):
+            if len(xs) != len(in_specs):
+                raise ValueError(f"{pname}: expected {len(in_specs)} inputs, got {len(xs)}")
+            for i, (x, (s, d)) in enumerate(zip(xs, in_specs)):
+                if tuple(x.shape) != s or x.dtype != d:
+                    raise ValueError(f"{pname}: input {i} ({self.input_names[i]}) must have shape "
+                                     f"{s} and dtype {d}, got {tuple(x.shape)} {x.dtype}")
+            return out_specs
+
+        if rnd:
+            def kernel(*arrays, _rng=None):
+                return fn(*arrays, _rng=_rng)
+        elif n_out == 1:
+            def kernel(*arrays):
+                return fn(*arrays)[0]
+        else:
+            kernel = fn
+        self.op = Op(name, kernel, infer, grad, n_out=n_out, random=rnd)
+        if self.memory_plan is not None and self.memory_plan.buffers:
+            self.op.state_vars = [Var(f"{name}.buffers")]     # one call at a time uses them
+        self.compile_seconds = time.perf_counter() - t0
+
+    def __call__(self, *args):
+        """Run on NDArrays (or NumPy arrays / numbers, converted); returns NDArray(s)."""
+        from .. import nd
+        from ..ops.dispatch import apply
+        conv = []
+        for x, (s, d) in zip(args, self.in_specs):
+            conv.append(x if isinstance(x, nd.NDArray) else nd.array(np.asarray(x, d)))
+        if not conv:
+            return self._run_constant()
+        return apply(self.op, *conv)
+
+    def _run_constant(self):
+        from .. import nd
+        outs = self.fn()
+        res = [nd.array(np.array(o, copy=True)) for o in outs]
+        return res[0] if len(res) == 1 else tuple(res)
+
+    def __repr__(self):
+        return f"Program({len(self.graph.op_nodes())} ops, {len(self.in_specs)} inputs, {len(self.out_specs)} outputs)"
+
+
+def compile_graph(graph, passes=None, name="program"):
+    """Optimize ``graph`` with ``passes`` and generate its code; returns a :class:`Program`."""
+    return Program(graph, passes, name)
