@@ -506,3 +506,85 @@ def test_head_is_variable_and_unused_variable():
 def test_grad_under_naive_engine():
     with hl.engine.set_engine("naive"):
         check_grad(lambda x, y: nd.tanh(x @ y).sum(axis=0), U(3, 2), U(2, 4))
+
+
+def check_second_order(f, *specs, seed=0, rtol=1e-5, atol=1e-6):
+    """d/dx [v . grad_x sum(w * f(x))] via create_graph=True against central differences of the
+    first derivative (itself computed by autograd)."""
+    rng = np.random.default_rng(seed)
+    xs = [s.draw(rng) for s in specs]
+    y0 = f(*[nd.array(x) for x in xs])
+    w = nd.array(rng.standard_normal(y0.shape))
+    vs_np = [rng.standard_normal(x.shape) for x in xs]
+
+    def first(xs_, create_graph):
+        vs = [nd.array(x) for x in xs_]
+        for v in vs:
+            v.attach_grad()
+        with hl.autograd.record():
+            gs = hl.autograd.grad(f(*vs), vs, head_grads=w, create_graph=create_graph)
+            s = None
+            for g, v in zip(gs, vs_np):
+                t = (g * nd.array(v)).sum()
+                s = t if s is None else s + t
+        return vs, s
+
+    vs, s = first(xs, True)
+    s.backward()
+    for i, x in enumerate(xs):
+        flat = x.reshape(-1)
+        num = np.zeros(flat.size)
+        for j in range(flat.size):
+            old = flat[j]
+            flat[j] = old + H
+            lp = first(xs, False)[1].item()
+            flat[j] = old - H
+            lm = first(xs, False)[1].item()
+            flat[j] = old
+            num[j] = (lp - lm) / (2 * H)
+        np.testing.assert_allclose(vs[i].grad.asnumpy(), num.reshape(x.shape), rtol=rtol,
+                                   atol=atol, err_msg=f"second derivative, input {i}")
+
+
+SECOND = {
+    "cube": (lambda x: x ** 3, [U(3)]), "tanh": (nd.tanh, [U(2, 3)]), "sigmoid": (nd.sigmoid, [U(4)]),
+    "exp_log": (lambda x: nd.exp(x) + nd.log(x), [U(3, lo=0.5, hi=2)]),
+    "sin_cos": (lambda x: nd.sin(x) * nd.cos(x), [U(3)]), "sqrt": (nd.sqrt, [U(3, lo=0.5, hi=2)]),
+    "softplus": (nd.softplus, [U(3)]), "reciprocal": (nd.reciprocal, [U(3, away0=True)]),
+    "mul_div_bcast": (lambda x, y: x * y / (y * y + 1.0), [U(2, 3), U(3)]),
+    "power": (nd.power, [U(2, 2, lo=0.5, hi=2), U(2, 2, lo=-1, hi=2)]),
+    "matmul": (lambda x, y: nd.tanh(x @ y), [U(2, 3), U(3, 2)]),
+    "log_softmax": (lambda x: nd.log_softmax(x, axis=-1), [U(2, 3)]),
+    "softmax": (lambda x: nd.softmax(x, axis=0), [U(3, 2)]),
+    "reductions": (lambda x: nd.exp(x).sum(axis=1) * nd.max(x, axis=1) + nd.mean(x * x, axis=0).sum(),
+                   [U(2, 3, distinct=True)]),
+    "shape_ops": (lambda x: nd.sin(nd.concat(x.T, x[1:], axis=0)).reshape(-1), [U(2, 2)]),
+    "fully_connected": (lambda x, w: nd.tanh(nd.fully_connected(x, w)), [U(2, 3), U(2, 3)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SECOND))
+def test_second_order_finite_differences(name):
+    f, specs = SECOND[name]
+    check_second_order(f, *specs)
+
+
+def test_grad_maximum_ties_split_and_size0():
+    x = nd.array(np.array([1.0, 2.0]))
+    z = nd.array(np.array([1.0, 3.0]))
+    x.attach_grad()
+    z.attach_grad()
+    with hl.autograd.record():
+        y = nd.maximum(x, z)
+    y.backward()
+    np.testing.assert_array_equal(x.grad.asnumpy(), [0.5, 0.0])
+    np.testing.assert_array_equal(z.grad.asnumpy(), [0.5, 1.0])
+    a = nd.array(np.ones((0, 3)))
+    b = nd.array(np.array([[1.0, 2.0, 3.0]]))
+    a.attach_grad()
+    b.attach_grad()
+    with hl.autograd.record():
+        y = (a * b).sum(axis=0) + b.sum()
+    y.backward()
+    assert a.grad.shape == (0, 3)
+    np.testing.assert_array_equal(b.grad.asnumpy(), [[3.0, 3.0, 3.0]])
