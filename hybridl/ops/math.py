@@ -12,6 +12,7 @@ import numpy as np
 
 from ._util import (BOOL, F32, I64, as_dtype, broadcast_shape, norm_axes, norm_axis, numel,
                     promote, reduced_shape)
+from . import _blas
 from .dispatch import apply
 from .registry import register
 
@@ -694,7 +695,14 @@ def _g_matmul(c, g):
     return ga, gb
 
 
-MATMUL = register("matmul", _ew2_kernel(np.matmul), _mm_infer, _g_matmul, _mm_cost)
+def _mm_kernel(a, b, out=None):
+    _blas.for_flops(2.0 * a.size * (b.shape[-1] if b.ndim > 1 else 1))
+    if a.dtype != b.dtype:
+        return np.matmul(a, b, dtype=promote(a.dtype, b.dtype), out=out)
+    return np.matmul(a, b, out=out)
+
+
+MATMUL = register("matmul", _mm_kernel, _mm_infer, _g_matmul, _mm_cost)
 
 
 def matmul(a, b):
@@ -735,6 +743,7 @@ def _fc_infer(x, w, *b, flatten=True):
 
 def _fc_kernel(x, w, b=None, flatten=True, out=None):
     x2 = x.reshape(x.shape[0], -1) if flatten else x.reshape(-1, x.shape[-1])
+    _blas.for_flops(2.0 * x2.size * w.shape[0])
     y = np.matmul(x2, w.T, out=None if out is None else out.reshape(x2.shape[0], w.shape[0]))
     if b is not None:
         y += b

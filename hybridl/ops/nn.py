@@ -5,6 +5,7 @@ gradients are ops too, so a backward pass is asynchronous and traceable.
 import numpy as np
 
 from .. import kernels as K
+from . import _blas
 from ._util import check_float, norm_axis, numel
 from .dispatch import apply
 from .math import add, exp, multiply, subtract, sum, take, take_grad
@@ -103,8 +104,27 @@ def _conv_infer(x, w, *b, stride, padding, dilation, groups):
     return [(tuple(out), x.dtype)]
 
 
-def _conv_kernel(x, w, b=None, *, stride, padding, dilation, groups):
-    return K.conv2d(x, w, b, stride, padding, dilation, groups)
+def _conv_flops(x_shape, w_shape, stride, padding, dilation):
+    N, _, H, W = x_shape
+    O, Cg, KH, KW = w_shape
+    oh = (H + 2 * padding[0] - dilation[0] * (KH - 1) - 1) // stride[0] + 1
+    ow = (W + 2 * padding[1] - dilation[1] * (KW - 1) - 1) // stride[1] + 1
+    return 2.0 * N * O * oh * ow * Cg * KH * KW
+
+
+def _conv_kernel(x, w, b=None, *, stride, padding, dilation, groups, out=None):
+    _blas.for_flops(_conv_flops(x.shape, w.shape, stride, padding, dilation))
+    return K.conv2d(x, w, b, stride, padding, dilation, groups, out=out)
+
+
+def _conv_gx_kernel(g, w, x_shape, stride, padding, dilation, groups, out=None):
+    _blas.for_flops(_conv_flops(x_shape, w.shape, stride, padding, dilation))
+    return K.conv2d_grad_input(g, w, x_shape, stride, padding, dilation, groups, out=out)
+
+
+def _conv_gw_kernel(g, x, w_shape, stride, padding, dilation, groups, out=None):
+    _blas.for_flops(_conv_flops(x.shape, w_shape, stride, padding, dilation))
+    return K.conv2d_grad_weight(g, x, w_shape, stride, padding, dilation, groups, out=out)
 
 
 def _g_conv(c, g):
@@ -125,14 +145,10 @@ def _conv_cost(in_shapes, out_shapes, itemsize, **a):
 
 
 CONV = register("conv2d", _conv_kernel, _conv_infer, _g_conv, _conv_cost)
-CONV_GX = register("conv2d_grad_input",
-                   lambda g, w, x_shape, stride, padding, dilation, groups:
-                   K.conv2d_grad_input(g, w, x_shape, stride, padding, dilation, groups),
+CONV_GX = register("conv2d_grad_input", _conv_gx_kernel,
                    lambda g, w, x_shape, **a: [(x_shape, g.dtype)],
                    cost=lambda i, o, s, **a: _conv_cost([o[0], i[1]], [i[0]], s))
-CONV_GW = register("conv2d_grad_weight",
-                   lambda g, x, w_shape, stride, padding, dilation, groups:
-                   K.conv2d_grad_weight(g, x, w_shape, stride, padding, dilation, groups),
+CONV_GW = register("conv2d_grad_weight", _conv_gw_kernel,
                    lambda g, x, w_shape, **a: [(w_shape, g.dtype)],
                    cost=lambda i, o, s, **a: _conv_cost([i[1], o[0]], [i[0]], s))
 
