@@ -114,7 +114,7 @@ def test_memory_bandwidth_plausible(info):
 
 
 def test_memory_latency_random_much_slower_than_sequential_at_256MiB():
-    m = hw.measure_memory_latency(sizes=[256 * MiB], target_seconds=0.02, repeats=3)
+    m = hw.measure_memory_latency(sizes=[256 * MiB], target_seconds=0.01, repeats=2)
     rnd, seq = m.details["random_ns"][0], m.details["sequential_ns"][0]
     assert m.unit == "ns" and m.value == rnd
     assert 20 < rnd < 5000, m.details
@@ -123,8 +123,10 @@ def test_memory_latency_random_much_slower_than_sequential_at_256MiB():
 
 def test_cache_knees_match_probe(info):
     """Private caches (one core) must be found within a factor of 2 of the probed size."""
-    m = hw.measure_memory_latency(min_bytes=4 * KiB, max_bytes=64 * MiB, points_per_octave=2,
-                                  target_seconds=0.005, repeats=3, probe_info=info)
+    # 5 sweeps, minimum per point: robust against bursts of activity from other tenants
+    m = hw.measure_memory_latency(min_bytes=4 * KiB, max_bytes=16 * MiB, points_per_octave=2,
+                                  target_seconds=0.003, repeats=5, probe_info=info,
+                                  orders=("random",))
     cmp_ = m.details["compared_with_probe"]
     private = [c for c in cmp_ if c["shared_by_cpus"] == 1]
     if not private:
@@ -168,17 +170,20 @@ def test_latency_python_fallback_runs():
 
 def test_gemm_matches_direct_numpy_timing():
     from threadpoolctl import threadpool_limits
-    n = 512
+    n, min_s = 512, 0.03
     a = np.random.default_rng(1).standard_normal((n, n)).astype(np.float32)
     b = np.random.default_rng(2).standard_normal((n, n)).astype(np.float32)
+    c = np.empty((n, n), np.float32)
     direct, ours = [], []
-    for _ in range(9):  # interleaved, so that machine noise hits both alike
+    for _ in range(7):  # interleaved, so that noise from other processes hits both alike
         with threadpool_limits(limits=1, user_api="blas"):
-            a @ b
-            t0 = time.perf_counter()
-            a @ b
-            direct.append(2 * n**3 / (time.perf_counter() - t0) / 1e9)
-        (m,) = hw.measure_gemm(n, "float32", threads=1, repeats=1)
+            np.matmul(a, b, out=c)
+            count, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < min_s:
+                np.matmul(a, b, out=c)
+                count += 1
+            direct.append(2 * n**3 * count / (time.perf_counter() - t0) / 1e9)
+        (m,) = hw.measure_gemm(n, "float32", threads=1, repeats=1, min_seconds=min_s)
         ours.append(m.value)
     d, o = float(np.median(direct)), float(np.median(ours))
     assert m.unit == "GFLOP/s" and m.settings["threads"] == 1 and m.settings["n"] == n

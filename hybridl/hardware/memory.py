@@ -18,6 +18,7 @@ __all__ = ["measure_memory_bandwidth", "measure_memory_latency", "detect_cache_l
 _KiB, _MiB, _GiB = 1024, 1024**2, 1024**3
 _DEFAULT_LLC = 32 * _MiB  # assumed when the probe does not know the last-level cache
 _TRIAD_CHUNK = 32768      # elements; the triad's temporary stays in L2
+_HUGE = 2 * 1024 * 1024   # transparent huge page size on x86-64 / most arm64
 
 
 def _llc_bytes(probe_info) -> int | None:
@@ -144,7 +145,7 @@ def measure_memory_bandwidth(array_bytes: int | None = None, threads: int = 1, r
 def _alloc(nbytes: int, huge_pages: bool):
     """Anonymous mmap of nbytes (page-rounded), optionally advised to use huge pages."""
     size = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
-    mm = mmap.mmap(-1, size)
+    mm = mmap.mmap(-1, size + _HUGE)
     advised = False
     if huge_pages and hasattr(mm, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
@@ -152,7 +153,12 @@ def _alloc(nbytes: int, huge_pages: bool):
             advised = True
         except OSError:
             pass
-    arr = np.frombuffer(mm, dtype=np.uint64)
+    whole = np.frombuffer(mm, dtype=np.uint64)
+    # start on a 2 MiB boundary: small working sets then lie in one (physically contiguous)
+    # huge page, so cache sets are used evenly instead of by the luck of 4 KiB page colours
+    skip = (-whole.ctypes.data) % _HUGE
+    arr = whole[skip // 8: (skip + size) // 8]
+    del whole
     arr[:: mmap.PAGESIZE // 8] = 0  # touch every page
     return mm, arr, advised
 
@@ -225,8 +231,10 @@ def measure_memory_latency(max_bytes: int | None = None, min_bytes: int = 4 * _K
     mmap page called through ctypes, else a C compiler, else a Python loop with its own cost
     subtracted (then only latencies well above ~30 ns are meaningful). Huge pages are requested
     (MADV_HUGEPAGE) so that TLB misses do not masquerade as cache levels; under a hypervisor,
-    nested page walks still add to the largest sizes. Each point is the minimum over
-    ``repeats`` runs of ~``target_seconds`` (interference from other processes only adds time).
+    nested page walks still add to the largest sizes. The whole curve is swept ``repeats``
+    times (a fresh random cycle each sweep) and each point is the minimum over sweeps of a
+    ~``target_seconds`` run: interference from other processes only adds time, and spreading
+    a point's samples in time keeps one burst of it from spoiling the point.
 
     Limits: includes ~1 cycle of loop overhead per step; the random chase also pays TLB misses
     for sets larger than the TLB reach; a cache shared with other tenants (VMs) has a smaller
@@ -238,7 +246,7 @@ def measure_memory_latency(max_bytes: int | None = None, min_bytes: int = 4 * _K
         sizes: explicit working-set sizes in bytes (overrides the three above).
         orders: subset of ("random", "sequential").
         stride: bytes between nodes; default the probed cache line size (64 if unknown).
-        target_seconds: time per timed run (> 0). repeats: runs per point (>= 1).
+        target_seconds: time per timed run (> 0). repeats: sweeps over the curve (>= 1).
         huge_pages: request transparent huge pages. method: force a chase kernel
             ("x86_64-machine-code", "c-compiler", "python-loop"). seed: RNG seed.
         probe_info: :class:`HardwareInfo` (line size, cache sizes to compare with).
@@ -294,28 +302,33 @@ def measure_memory_latency(max_bytes: int | None = None, min_bytes: int = 4 * _K
     rng = np.random.default_rng(seed)
     mm, arr, advised = _alloc(max(sizes), huge_pages)
     mv = memoryview(mm).cast("Q") if fn is None else None
-    results = {o: [] for o in orders}
+    samples = {o: [[] for _ in sizes] for o in orders}
     overhead = {}
-    total = len(sizes) * len(orders)
+    total = len(sizes) * len(orders) * repeats
     done = 0
     try:
-        for order in orders:
-            if fn is None:  # cost of the Python loop itself, on an L1-resident chain
+        if fn is None:  # cost of the Python loop itself, on an L1-resident chain
+            for order in orders:
                 start, n = _build_chain(arr, min(sizes[0], 4 * _KiB), stride, order, rng, False)
                 overhead[order] = min(_time_chase(None, mv, start, 200_000)
                                       for _ in range(3)) / 200_000
-            for ws in sizes:
-                start, n = _build_chain(arr, ws, stride, order, rng, fn is not None)
-                _time_chase(fn, mv, start, min(n, 1_000_000 if fn else 100_000))  # warm
-                est = max(_time_chase(fn, mv, start, 2000) / 2000, 1e-10)
-                steps = int(min(max(target_seconds / est, 1000), 5e8 if fn else 2e6))
-                best = min(_time_chase(fn, mv, start, steps) for _ in range(repeats)) / steps
-                if fn is None:
-                    best = max(best - overhead[order], 0.0)
-                results[order].append(best * 1e9)
-                done += 1
-                if progress is not None:
-                    progress(done / total)
+        # `repeats` sweeps over all sizes: the samples of one size are spread in time, so a
+        # burst of activity from other processes spoils one sample, not all of them
+        for sweep in range(repeats):
+            for order in orders:
+                for k, ws in enumerate(sizes):
+                    start, n = _build_chain(arr, ws, stride, order, rng, fn is not None)
+                    _time_chase(fn, mv, start, min(n, 1_000_000 if fn else 100_000))  # warm
+                    est = max(_time_chase(fn, mv, start, 2000) / 2000, 1e-10)
+                    steps = int(min(max(target_seconds / est, 1000), 5e8 if fn else 2e6))
+                    t = _time_chase(fn, mv, start, steps) / steps
+                    if fn is None:
+                        t = max(t - overhead[order], 0.0)
+                    samples[order][k].append(t * 1e9)
+                    done += 1
+                    if progress is not None:
+                        progress(done / total)
+        results = {o: [min(v) for v in samples[o]] for o in orders}
     finally:
         del arr
         if mv is not None:
@@ -336,7 +349,7 @@ def measure_memory_latency(max_bytes: int | None = None, min_bytes: int = 4 * _K
     return Measurement(
         name="memory_latency", value=results[main][-1], unit="ns",
         method=(f"pointer chasing, one {main}-order cycle of dependent loads, chase kernel: "
-                f"{used}; minimum of repeats"),
+                f"{used}; minimum over sweeps"),
         settings={"min_bytes": sizes[0], "max_bytes": sizes[-1], "stride_bytes": stride,
                   "orders": list(orders), "target_seconds": target_seconds,
                   "repeats": repeats, "huge_pages_requested": advised, "seed": seed,
@@ -359,20 +372,47 @@ def _isotonic(y):
     return out
 
 
-def detect_cache_levels(sizes, latencies_ns, plateau_tolerance: float = 1.25,
-                        min_jump: float = 1.5, min_points: int = 3,
-                        cache_latency_limit_ns: float = 60.0) -> list:
+def _segments(y, penalty):
+    """Optimal piecewise-constant fit of y (segmented least squares, Bellman 1961): minimize
+    sum of squared errors + penalty x number of segments. Returns [(start, stop), ...]."""
+    n = len(y)
+    pre = np.concatenate([[0.0], np.cumsum(y)])
+    pre2 = np.concatenate([[0.0], np.cumsum(np.square(y))])
+
+    def sse(i, j):  # points i..j-1
+        m = j - i
+        s1 = pre[j] - pre[i]
+        return (pre2[j] - pre2[i]) - s1 * s1 / m
+
+    best = [0.0] + [math.inf] * n
+    back = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):
+            c = best[i] + sse(i, j) + penalty
+            if c < best[j]:
+                best[j], back[j] = c, i
+    segs, j = [], n
+    while j > 0:
+        segs.append((back[j], j))
+        j = back[j]
+    return segs[::-1]
+
+
+def detect_cache_levels(sizes, latencies_ns, min_jump: float = 1.5, min_points: int = 3,
+                        penalty: float = 0.05, cache_latency_limit_ns: float = 60.0) -> list:
     """Find the knees of a latency-vs-working-set curve; each knee is a cache capacity.
 
     Algorithm: (1) smooth log(latency) with isotonic regression (latency cannot fall as the
-    working set grows; this removes isolated spikes from interference); (2) group consecutive
-    points into plateaus, a point joining the current plateau while it is within
-    ``plateau_tolerance`` x the plateau's first value; plateaus with fewer than ``min_points``
-    points are transition points, not levels; (3) between consecutive plateaus whose median
-    latencies differ by >= ``min_jump`` x, the knee is the working set at which the smoothed
-    curve crosses the geometric mean of the two plateau latencies (log-log interpolation).
-    A knee whose lower plateau is already slower than ``cache_latency_limit_ns`` is labelled
-    ``"tlb_or_dram"`` (page walks, NUMA), otherwise ``"cache"``.
+    working set grows; this removes isolated spikes from interference); (2) fit a
+    piecewise-constant function to it by segmented least squares (Bellman 1961) with
+    ``penalty`` per segment (in squared log units); segments of at least ``min_points``
+    points are plateaus (cache levels), shorter ones are points in a transition; (3) between
+    consecutive plateaus whose mean latencies differ by >= ``min_jump`` x, the knee is the
+    working set at which the smoothed curve crosses the arithmetic mean of the two plateau
+    latencies, i.e. where about half of the loads miss the smaller level (log-log
+    interpolation between measured points; cf. Saavedra & Smith 1995, lmbench). A knee whose lower plateau is already slower than
+    ``cache_latency_limit_ns`` is labelled ``"tlb_or_dram"`` (page walks, NUMA), otherwise
+    ``"cache"``.
 
     Args:
         sizes: working sets in bytes, increasing. latencies_ns: latency per size (ns).
@@ -396,24 +436,16 @@ def detect_cache_levels(sizes, latencies_ns, plateau_tolerance: float = 1.25,
     if len(sizes) < 2:
         return []
     y = _isotonic([math.log(max(v, 1e-3)) for v in lat])
-    groups, cur = [], [0]
-    for i in range(1, len(y)):
-        if y[i] - y[cur[0]] <= math.log(plateau_tolerance):
-            cur.append(i)
-        else:
-            groups.append(cur)
-            cur = [i]
-    groups.append(cur)
-    plateaus = [g for g in groups if len(g) >= min_points]
+    plateaus = [(i, j) for i, j in _segments(y, penalty) if j - i >= min_points]
     levels = []
-    for lo, hi in zip(plateaus, plateaus[1:]):
-        a = float(np.median([y[i] for i in lo]))
-        b = float(np.median([y[i] for i in hi]))
+    for (i0, j0), (i1, j1) in zip(plateaus, plateaus[1:]):
+        a = float(np.mean(y[i0:j0]))
+        b = float(np.mean(y[i1:j1]))
         if b - a < math.log(min_jump):
             continue
-        mid = (a + b) / 2
+        mid = math.log((math.exp(a) + math.exp(b)) / 2)  # half the loads miss
         knee = None
-        for i in range(lo[-1], hi[0] + 1):
+        for i in range(j0 - 1, i1 + 1):
             if y[i] >= mid:
                 j = i - 1
                 if j < 0 or y[i] == y[j]:
