@@ -441,3 +441,26 @@ def test_norm_softmax_vs_torch():
     close(K.softmax_cross_entropy(z, lab), tl.detach().numpy(), 1e-12)
     close(K.softmax_cross_entropy_grad(dl, z, lab), tz.grad.numpy(), 1e-12)
     close(K.log_softmax(z, 0), F.log_softmax(torch.tensor(z), 0).numpy(), 1e-12)
+
+
+def test_conv_cols_cache_is_transparent():
+    from hybridl.kernels import conv as C
+    x = RNG.standard_normal((2, 3, 8, 8))
+    w = RNG.standard_normal((4, 3, 3, 3))
+    y = K.conv2d(x, w, None, (1, 1), (1, 1))
+    dy = RNG.standard_normal(y.shape)
+    ref = ref_dw = numgrad(lambda t: K.conv2d(x, t, None, (1, 1), (1, 1)), w.copy(), dy)
+    close(K.conv2d_grad_weight(dy, x, w.shape, (1, 1), (1, 1), (1, 1), 1), ref, 1e-6)  # cache hit
+    # x mutated in place after the forward: the cached columns must not be used
+    K.conv2d(x, w, None, (1, 1), (1, 1))
+    x2 = x
+    x2 += 1.0
+    ref2 = numgrad(lambda t: K.conv2d(x2, t, None, (1, 1), (1, 1)), w.copy(), dy)
+    close(K.conv2d_grad_weight(dy, x2, w.shape, (1, 1), (1, 1), (1, 1), 1), ref2, 1e-6)
+    prev = C.set_cols_cache_bytes(0)
+    try:
+        K.conv2d(x, w, None, (1, 1), (1, 1))
+        close(K.conv2d_grad_weight(dy, x, w.shape, (1, 1), (1, 1), (1, 1), 1), ref2, 1e-6)
+    finally:
+        C.set_cols_cache_bytes(prev)
+    assert ref_dw is ref

@@ -28,12 +28,71 @@ strided slice (no Python loop over pixels or over the batch).
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ._check import check_float, check_ndim, check_out, pair
 
-__all__ = ["conv2d", "conv2d_grad_input", "conv2d_grad_weight", "im2col", "conv2d_output_shape"]
+__all__ = ["conv2d", "conv2d_grad_input", "conv2d_grad_weight", "im2col", "conv2d_output_shape",
+           "set_cols_cache_bytes"]
+
+
+# --------------------------------------------------------------------------------------------
+# column cache: conv2d (forward) -> conv2d_grad_weight (backward)
+# --------------------------------------------------------------------------------------------
+# In training, conv2d_grad_weight needs exactly the column matrix the forward pass built
+# (same x, same geometry). Rebuilding it is the single most expensive step of the weight
+# gradient (a ~25x expansion of x), so the forward keeps its last few column matrices together
+# with a private copy of x; the backward reuses one only if the geometry matches AND x still
+# compares equal to that copy (np.array_equal, ~1/25 of the im2col cost), so a mutated or reused
+# buffer can never give a stale result. An entry is dropped once used. Bounded by bytes.
+
+_CACHE_LOCK = threading.Lock()
+_CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
+_CACHE_MAX_BYTES = [64 << 20]
+
+
+def set_cols_cache_bytes(nbytes: int) -> int:
+    """Set the byte budget of the forward->backward im2col cache (0 disables it); returns the
+    previous budget. Default 64 MiB. Entries are validated against a copy of x before reuse."""
+    with _CACHE_LOCK:
+        prev = _CACHE_MAX_BYTES[0]
+        _CACHE_MAX_BYTES[0] = max(0, int(nbytes))
+        _evict(0)
+    return prev
+
+
+def _evict(incoming):
+    total = sum(v[1].nbytes + v[0].nbytes for v in _CACHE.values())
+    while _CACHE and total + incoming > _CACHE_MAX_BYTES[0]:
+        _, v = _CACHE.popitem(last=False)
+        total -= v[1].nbytes + v[0].nbytes
+
+
+def _cache_key(x, KH, KW, stride, padding, dilation):
+    return (x.__array_interface__["data"][0], x.shape, x.strides, x.dtype.str, KH, KW, stride, padding, dilation)
+
+
+def _cache_put(x, key, entry):
+    nbytes = entry[0].nbytes + x.nbytes
+    if nbytes > _CACHE_MAX_BYTES[0]:
+        return
+    xc = x.copy()
+    with _CACHE_LOCK:
+        _CACHE.pop(key, None)
+        _evict(nbytes)
+        _CACHE[key] = (xc, entry[0], entry[1], entry[2])
+
+
+def _cache_take(x, key):
+    with _CACHE_LOCK:
+        v = _CACHE.pop(key, None)
+    if v is None or not np.array_equal(v[0], x):
+        return None
+    return v[1], v[2], v[3]
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,6 +281,8 @@ def conv2d(x, w, b=None, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=
     G = int(groups)
     Og = O // G
     cols, wide, Wrow = _cols(x, KH, KW, stride, padding, dilation, OH, OW)
+    if _CACHE_MAX_BYTES[0]:
+        _cache_put(x, _cache_key(x, KH, KW, stride, padding, dilation), (cols, wide, Wrow))
     K = Cg * KH * KW
     # (G, Og, K) @ (G, K, N*OH*Wrow) -> (G, Og, N*OH*Wrow) == (O, N, OH, Wrow)
     ybig = np.matmul(w.reshape(G, Og, K), cols.reshape(G, K, N * OH * Wrow))
@@ -358,7 +419,8 @@ def conv2d_grad_weight(dy, x, w_shape, stride=(1, 1), padding=(0, 0), dilation=(
     G = int(groups)
     Og = O // G
     K = Cg * KH * KW
-    cols, wide, Wrow = _cols(x, KH, KW, stride, padding, dilation, OH, OW)
+    hit = _cache_take(x, _cache_key(x, KH, KW, stride, padding, dilation)) if _CACHE else None
+    cols, wide, Wrow = hit if hit is not None else _cols(x, KH, KW, stride, padding, dilation, OH, OW)
     dyb = _dy_big(dy, OH, OW, Wrow, wide)
     M = N * OH * Wrow
     # (G, Og, M) @ (G, M, K) -> (G, Og, K)

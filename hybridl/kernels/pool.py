@@ -167,7 +167,7 @@ def max_pool2d_grad(dy, x, y, kernel, stride=None, padding=(0, 0), *, out=None):
                     np.logical_not(taken, out=hit)  # the remaining windows must have their max here
                 else:
                     np.equal(xr[:, :, :, i, :, j], y, out=hit)
-                    hit &= ~taken
+                    np.greater(hit, taken, out=hit)  # hit and not taken
                     taken |= hit
                 np.multiply(dy, hit, out=tgt[:, :, :, i, :, j])
         if dxr is None:
@@ -179,7 +179,7 @@ def max_pool2d_grad(dy, x, y, kernel, stride=None, padding=(0, 0), *, out=None):
     for i in range(kh):
         for j in range(kw):
             np.equal(_window(xp, i, j, OH, OW, sh, sw), y, out=hit)
-            hit &= ~taken
+            np.greater(hit, taken, out=hit)  # hit and not taken
             taken |= hit
             np.multiply(dy, hit, out=tmp)
             _window(dxp, i, j, OH, OW, sh, sw)[...] += tmp
