@@ -237,6 +237,18 @@ class HybridBlock(Block):
             return hybrid.call_cached(self, args)
         return self.forward(*args, **kwargs)
 
+    def export(self, prefix, *example_inputs):
+        """Write ``prefix-symbol.json`` (graph) and ``prefix.safetensors`` (parameters), loadable
+        with ``hl.nn.SymbolBlock.imports`` without this class. See :mod:`hybridl.graph.export`.
+        Returns (symbol_file, param_file)."""
+        from ..graph.export import export
+        return export(self, prefix, *example_inputs)
+
+    def cache_info(self):
+        """Hits, misses, the reason of each miss and the number of cached programs."""
+        from ..graph.hybrid import cache_info
+        return cache_info(self)
+
     def infer_shape(self, *args):
         """Finish deferred parameter shapes from example inputs (runs one forward)."""
         from .. import autograd

@@ -1,0 +1,258 @@
+"""Export a hybridized model as graph JSON + safetensors parameters, and load it back without
+the model's Python class (``SymbolBlock.imports``). No pickle anywhere.
+
+``prefix-symbol.json`` schema (``format: "hybridl-graph"``, ``version: 1``)::
+
+    {"format": "hybridl-graph", "version": 1,
+     "inputs":  [{"name": "data0", "shape": [N, C, H, W], "dtype": "float32"}, ...],
+     "params":  [{"name": "0.weight", "shape": [...], "dtype": "float32"}, ...],
+     "nodes":   [{"id": 7, "kind": "op" | "input" | "param" | "const", "op": "conv2d",
+                  "inputs": [[node_id, output_index], ...], "attrs": {...},
+                  "specs": [[shape, dtype], ...], "name": "..."}, ...],
+     "outputs": [[node_id, output_index], ...]}
+
+Attribute tuples are stored as JSON lists and read back as tuples. Constants are stored in the
+safetensors file under ``__const__/<node id>``. The graph is the predict-mode forward, traced at
+the input shapes of the export (shapes are static, as in an ONNX graph with fixed dims).
+"""
+import json
+import os
+
+import numpy as np
+
+from .. import autograd
+from ..ops.dispatch import apply
+from ..ops.registry import OPS
+from .ir import Graph
+from .passes import run_passes
+
+__all__ = ["export", "SymbolBlock", "load_graph_json", "graph_to_json"]
+
+FORMAT, VERSION = "hybridl-graph", 1
+_EXPORT_PASSES = ("fold_constants", "simplify_algebra", "eliminate_common_subexpressions",
+                  "eliminate_dead_code")
+
+
+def _enc(v):
+    if isinstance(v, tuple):
+        return [_enc(x) for x in v]
+    if isinstance(v, (np.integer,)):
+        return int(v)
+    if isinstance(v, (np.floating,)):
+        return float(v)
+    return v
+
+
+def _dec(v):
+    if isinstance(v, list):
+        return tuple(_dec(x) for x in v)
+    return v
+
+
+def graph_to_json(graph, n_data):
+    """(json dict, {tensor name: array}) for a traced graph whose first ``n_data`` inputs are
+    data and the rest parameters."""
+    tensors = {}
+    nodes = []
+    for n in graph.nodes:
+        d = {"id": n.id, "kind": n.kind, "name": n.name,
+             "specs": [[list(s), dt.name] for s, dt in n.specs]}
+        if n.kind == "op":
+            d["op"] = n.op.name
+            d["inputs"] = [[s.node.id, s.index] for s in n.inputs]
+            d["attrs"] = {k: _enc(v) for k, v in n.attrs.items()}
+        elif n.kind == "const":
+            tensors[f"__const__/{n.id}"] = np.ascontiguousarray(n.value)
+        nodes.append(d)
+    doc = {"format": FORMAT, "version": VERSION,
+           "inputs": [{"name": s.node.name, "shape": list(s.shape), "dtype": s.dtype.name,
+                       "node": s.node.id} for s in graph.inputs[:n_data]],
+           "params": [{"name": s.node.name, "shape": list(s.shape), "dtype": s.dtype.name,
+                       "node": s.node.id} for s in graph.inputs[n_data:]],
+           "nodes": nodes,
+           "outputs": [[s.node.id, s.index] for s in graph.outputs]}
+    return doc, tensors
+
+
+def export(block, prefix, *example_inputs):
+    """Write ``prefix-symbol.json`` and ``prefix.safetensors`` for a HybridBlock.
+
+    The block is traced in predict mode at the shapes of ``example_inputs`` or, if none are
+    given, of its last hybridized call. Returns (symbol_file, param_file). Files are written
+    to temporary names and renamed.
+
+    Raises:
+        RuntimeError: no example inputs and the block was never called hybridized.
+    """
+    from safetensors.numpy import save_file
+
+    from ..nn.block import _atomic_write
+    from .hybrid import trace_graph
+    args = list(example_inputs)
+    if not args:
+        entry = block.__dict__.get("_last_program")
+        if entry is None:
+            raise RuntimeError("export: call the hybridized block on data once first, or pass "
+                               "example inputs: net.export(prefix, x)")
+        from .. import nd
+        args = [nd.zeros(s, d) for s, d in entry.fwd.in_specs[:len(entry.fwd.in_specs) - len(entry.params)]]
+    with autograd.predict_mode():
+        inputs, outs, single, ctx = trace_graph(block.forward, args)
+    g = run_passes(Graph(inputs, outs), _EXPORT_PASSES)
+    doc, tensors = graph_to_json(g, len(args))
+    for p, s in zip(ctx.params, inputs[len(args):]):
+        tensors[s.node.name] = np.ascontiguousarray(p.data().asnumpy())
+    doc["single_output"] = single
+    sym_file, param_file = f"{prefix}-symbol.json", f"{prefix}.safetensors"
+
+    def write_json(tmp):
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=1)
+    _atomic_write(sym_file, write_json)
+    _atomic_write(param_file, lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT}))
+    return sym_file, param_file
+
+
+def load_graph_json(path):
+    """Read and validate a ``-symbol.json`` file.
+
+    Raises:
+        FileNotFoundError; ValueError: not JSON, wrong format/version, unknown op, dangling
+        node reference (the message names the file and the problem).
+    """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"symbol_file: no such file: {path!r}")
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"symbol_file: {path!r} is not valid JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ValueError(f"symbol_file: {path!r} is not a hybridl graph (format {FORMAT!r} expected)")
+    if doc.get("version") != VERSION:
+        raise ValueError(f"symbol_file: {path!r} has version {doc.get('version')}, expected {VERSION}")
+    seen = set()
+    try:
+        for n in doc["nodes"]:
+            if n["kind"] == "op":
+                _op(n["op"], path)
+                for i, _ in n["inputs"]:
+                    if i not in seen:
+                        raise ValueError(f"symbol_file: {path!r}: node {n['id']} reads node {i} "
+                                         f"before it is defined")
+            seen.add(n["id"])
+        for i, _ in doc["outputs"]:
+            if i not in seen:
+                raise ValueError(f"symbol_file: {path!r}: output refers to unknown node {i}")
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"symbol_file: {path!r} is malformed (missing or bad field {e})") from None
+    return doc
+
+
+def _op(name, path="<graph>"):
+    op = OPS.get(name)
+    if op is None and name.startswith("split") and name[5:].isdigit():
+        from ..ops.math import _split_op
+        op = _split_op(int(name[5:]))
+    if op is None:
+        raise ValueError(f"symbol_file: {path!r} uses unknown op {name!r}")
+    return op
+
+
+def _get_block_base():
+    from ..nn.block import HybridBlock
+    return HybridBlock
+
+
+class SymbolBlock(_get_block_base()):
+    """A block that runs an exported graph; needs no Python class of the original model.
+
+    Use :meth:`imports`. Calling it interprets the graph node by node through ``apply``, so it
+    runs eagerly, under autograd, and hybridized like any block. Input shapes are those of the
+    export.
+    """
+
+    def __init__(self, doc, params, consts):
+        super().__init__()
+        from .. import nd
+        from ..nn.parameter import Parameter
+        object.__setattr__(self, "_doc", doc)
+        object.__setattr__(self, "_consts", {k: nd.from_numpy(v) for k, v in consts.items()})
+        object.__setattr__(self, "_pnodes", {})
+        for i, pd in enumerate(doc["params"]):
+            p = Parameter(pd["name"], tuple(pd["shape"]), pd["dtype"])
+            p.initialize(init="zeros")
+            p.set_data(params[pd["name"]])
+            self._reg_params[pd["name"]] = p
+            self._pnodes[pd["node"]] = p
+
+    @staticmethod
+    def imports(symbol_file, input_names=None, param_file=None, device=None):
+        """Load ``symbol_file`` (+ ``param_file``) into a SymbolBlock.
+
+        Raises:
+            FileNotFoundError, ValueError: missing/corrupt files, input names that do not
+            match, parameters missing from or mis-shaped in the parameter file.
+        """
+        from safetensors.numpy import load_file
+        doc = load_graph_json(symbol_file)
+        names = [i["name"] for i in doc["inputs"]]
+        if input_names is not None:
+            given = [input_names] if isinstance(input_names, str) else list(input_names)
+            if len(given) != len(names):
+                raise ValueError(f"input_names: the graph has {len(names)} input(s) {names}, "
+                                 f"got {given}")
+        if param_file is None:
+            param_file = symbol_file.replace("-symbol.json", ".safetensors")
+        if not os.path.exists(param_file):
+            raise FileNotFoundError(f"param_file: no such file: {param_file!r}")
+        try:
+            tensors = load_file(param_file)
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"param_file: {param_file!r} is not a valid safetensors file ({e})") from None
+        params = {}
+        for pd in doc["params"]:
+            a = tensors.get(pd["name"])
+            if a is None:
+                raise ValueError(f"param_file: {param_file!r} lacks parameter {pd['name']!r}")
+            if list(a.shape) != list(pd["shape"]):
+                raise ValueError(f"param_file: parameter {pd['name']!r} has shape {list(a.shape)}, "
+                                 f"the graph expects {pd['shape']}")
+            params[pd["name"]] = a
+        consts = {int(k.split("/", 1)[1]): v for k, v in tensors.items() if k.startswith("__const__/")}
+        blk = SymbolBlock(doc, params, consts)
+        if device is not None:
+            blk.reset_device(device)
+        return blk
+
+    def forward(self, *xs):
+        doc = self._doc
+        if len(xs) != len(doc["inputs"]):
+            raise ValueError(f"SymbolBlock: expected {len(doc['inputs'])} input(s) "
+                             f"{[i['name'] for i in doc['inputs']]}, got {len(xs)}")
+        vals = {}
+        dev = getattr(xs[0], "device", None) if xs else None
+        in_nodes = {i["node"]: k for k, i in enumerate(doc["inputs"])}
+        for n in doc["nodes"]:
+            nid = n["id"]
+            if n["kind"] == "input":
+                x = xs[in_nodes[nid]]
+                want = tuple(n["specs"][0][0])
+                if tuple(x.shape) != want:
+                    raise ValueError(f"SymbolBlock: input {doc['inputs'][in_nodes[nid]]['name']!r} "
+                                     f"must have the exported shape {want}, got {tuple(x.shape)}")
+                vals[(nid, 0)] = x
+            elif n["kind"] == "param":
+                vals[(nid, 0)] = self._pnodes[nid].data(dev)
+            elif n["kind"] == "const":
+                c = self._consts[nid]
+                vals[(nid, 0)] = c if dev is None or c.device == dev else c.to(dev)
+            else:
+                ins = [vals[(i, j)] for i, j in n["inputs"]]
+                attrs = {k: _dec(v) for k, v in n["attrs"].items()}
+                res = apply(_op(n["op"]), *ins, **attrs)
+                res = res if isinstance(res, tuple) else (res,)
+                for j, r in enumerate(res):
+                    vals[(nid, j)] = r
+        outs = [vals[(i, j)] for i, j in doc["outputs"]]
+        return outs[0] if doc.get("single_output", len(outs) == 1) else tuple(outs)
