@@ -84,7 +84,7 @@ def trace_graph(fn, args, static=None):
     return syms + [ctx.syms[id(p)] for p in ctx.params], outs, single, ctx
 
 
-def _build(fn, args, name, passes, want_grad_data, static=None):
+def _build(fn, args, name, passes, want_grad_data, static=None, parallel_segments=False):
     inputs, outs, single, ctx = trace_graph(fn, args, static)
     params = ctx.params
     n_data = len(args)
@@ -96,6 +96,10 @@ def _build(fn, args, name, passes, want_grad_data, static=None):
         wrt += [n_data + j for j, p in enumerate(params) if p.grad_req != "null"
                 and p.dtype.kind == "f"]
     if not wrt:
+        if parallel_segments:
+            from .segments import SegmentedProgram
+            prog = SegmentedProgram(Graph(inputs, outs + side_vals), passes, name)
+            return _Compiled(prog, len(outs), single, side_params, params)
         prog = Program(Graph(inputs, outs + side_vals), passes, name)
         return _Compiled(prog, len(outs), single, side_params, params)
     joint, cots, wrt = gradient(Graph(inputs, outs), wrt)
@@ -188,7 +192,10 @@ class _Cache:
 def _run(entry, args):
     dev = args[0].device if args else None
     pvals = [p.data(dev) for p in entry.params]
-    outs = apply(entry.fwd.op, *args, *pvals)
+    if entry.fwd.op is None:
+        outs = entry.fwd.run(list(args) + pvals)
+    else:
+        outs = apply(entry.fwd.op, *args, *pvals)
     outs = outs if isinstance(outs, tuple) else (outs,)
     if entry.side_params:
         side = outs[-len(entry.side_params):]
@@ -210,8 +217,9 @@ def call_cached(block, args):
     sig = _signature(args)
     entry = cache.lookup(sig, type(block).__name__)
     if entry is None:
-        entry = _build(block.forward, args, type(block).__name__,
-                       block._hybrid_flags.get("passes"), [s[3] for s in sig[0]])
+        flags = block._hybrid_flags
+        entry = _build(block.forward, args, type(block).__name__, flags.get("passes"),
+                       [s[3] for s in sig[0]], parallel_segments=flags.get("parallel_segments", False))
         cache.entries[sig] = entry
         object.__setattr__(block, "_last_program", entry)
     return _run(entry, args)
