@@ -464,3 +464,30 @@ def test_conv_cols_cache_is_transparent():
     finally:
         C.set_cols_cache_bytes(prev)
     assert ref_dw is ref
+
+
+def test_conv2d_property_random_geometry():
+    hyp = pytest.importorskip("hypothesis")
+    st = hyp.strategies
+
+    @hyp.settings(max_examples=12, deadline=None)
+    @hyp.given(st.integers(1, 2), st.integers(1, 2), st.integers(1, 3), st.integers(3, 7), st.integers(3, 7),
+               st.integers(1, 3), st.integers(1, 3), st.integers(1, 2), st.integers(1, 2), st.integers(0, 1),
+               st.integers(0, 2), st.integers(1, 2), st.integers(1, 2), st.integers(0, 2**31 - 1))
+    def check(N, g, cg, H, W, KH, KW, sh, sw, ph, pw, dh, dw, seed):
+        if dh * (KH - 1) + 1 > H + 2 * ph or dw * (KW - 1) + 1 > W + 2 * pw:
+            return
+        r = np.random.default_rng(seed)
+        C, O = g * cg, g * 2
+        x = r.standard_normal((N, C, H, W))
+        w = r.standard_normal((O, cg, KH, KW))
+        args = ((sh, sw), (ph, pw), (dh, dw), g)
+        y = K.conv2d(x, w, None, *args)
+        close(y, ref_conv2d(x, w, None, *args), 1e-10)
+        dy = r.standard_normal(y.shape)
+        # adjoint identities: <dy, conv(x, w)> = <conv_grad_input(dy), x> = <conv_grad_weight(dy), w>
+        s = np.sum(dy * y)
+        close(np.sum(K.conv2d_grad_input(dy, w, x.shape, *args) * x), s, 1e-9)
+        close(np.sum(K.conv2d_grad_weight(dy, x, w.shape, *args) * w), s, 1e-9)
+
+    check()
