@@ -44,11 +44,8 @@ def _blas_budget(total_workers):
     """
     if total_workers <= 1:
         return
-    try:
-        from threadpoolctl import threadpool_limits
-        threadpool_limits(limits=max(1, (os.cpu_count() or 1) // total_workers), user_api="blas")
-    except Exception:  # noqa: BLE001 - the budget is an optimisation, never a failure
-        pass
+    from ..ops import _blas
+    _blas.set_budget(max(1, (os.cpu_count() or 1) // total_workers))
 
 
 _current = _make(os.environ.get("HYBRIDL_ENGINE", "threaded").strip().lower() or "threaded")
@@ -91,9 +88,9 @@ def set_engine(kind):
     return _EngineScope(prev)
 
 
-def push(fn, reads=(), writes=(), device=None, priority=0, name=None, meta=None):
+def push(fn, reads=(), writes=(), device=None, priority=0, name=None, meta=None, pure=False):
     """Push ``fn`` to the current engine (see :meth:`Engine.push`)."""
-    _current.push(fn, reads, writes, device, priority, name, meta)
+    _current.push(fn, reads, writes, device, priority, name, meta, pure)
 
 
 def wait_for(var):

@@ -22,6 +22,8 @@ import threading
 import time
 import traceback
 
+_now = time.perf_counter
+
 __all__ = ["Var", "OpError", "Engine"]
 
 
@@ -62,11 +64,15 @@ class OpError(RuntimeError):
         self.__cause__ = original
 
 
+class _BulkState(threading.local):
+    buf = None                      # class default: no AttributeError on threads that never bulk
+
+
 class _Op:
     __slots__ = ("fn", "reads", "writes", "key", "priority", "name", "pending",
-                 "dependents", "done", "event", "meta", "seq", "wset")
+                 "dependents", "done", "event", "meta", "seq", "pure", "cell")
 
-    def __init__(self, fn, reads, writes, key, priority, name, meta):
+    def __init__(self, fn, reads, writes, key, priority, name, meta, pure=False):
         self.fn = fn
         self.reads = reads
         self.writes = writes
@@ -78,6 +84,8 @@ class _Op:
         self.dependents = []
         self.done = False
         self.event = None
+        self.pure = pure
+        self.cell = None            # threaded engine: [average run time] of the op's cost key
 
     def __lt__(self, other):            # heap order: higher priority first, then FIFO
         return (-self.priority, self.seq) < (-other.priority, other.seq)
@@ -93,10 +101,11 @@ class Engine:
         self._errors = []            # OpErrors not yet raised by waitall()
         self._err_lock = threading.Lock()
         self.profiler = None         # an object with .record(op_name, key, thread, t0, t1, meta)
-        self._bulk = threading.local()
+        self._bulk = _BulkState()
 
     # ------------------------------------------------------------------ public interface
-    def push(self, fn, reads=(), writes=(), device=None, priority=0, name=None, meta=None):
+    def push(self, fn, reads=(), writes=(), device=None, priority=0, name=None, meta=None,
+             pure=False):
         """Schedule ``fn()`` after its dependencies; returns at once (see module docstring).
 
         Args:
@@ -106,6 +115,12 @@ class Engine:
             priority (int): higher runs first among ready ops of the same device.
             name (str): shown in errors and in the profiler.
             meta (dict): optional cost figures for the profiler (``flops``, ``bytes``).
+            pure (bool or hashable): true when ``fn`` only computes its writes from its reads
+                (no waiting on events, locks, I/O or other threads). The threaded engine may
+                then run it in the pushing thread when it is ready, its device is idle and
+                ops with the same cost key have been taking less than ``inline_s`` (a thread
+                hand-over costs more than that). The cost key is ``pure`` itself unless it is
+                ``True`` (then the name), e.g. ``(op, input_shape, output_shape)``.
 
         Raises:
             TypeError: ``fn`` is not callable or a read/write is not a Var.
@@ -114,21 +129,25 @@ class Engine:
             raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
         reads = list(reads)
         writes = list(writes)
-        for v in reads + writes:
-            if not isinstance(v, Var):
-                raise TypeError(f"reads/writes: expected engine Vars, got {type(v).__name__}")
-        name = name or getattr(fn, "__name__", "op")
-        b = getattr(self._bulk, "buf", None)
+        for v in reads:
+            if type(v) is not Var and not isinstance(v, Var):
+                raise TypeError(f"reads: expected engine Vars, got {type(v).__name__}")
+        for v in writes:
+            if type(v) is not Var and not isinstance(v, Var):
+                raise TypeError(f"writes: expected engine Vars, got {type(v).__name__}")
+        if not name:
+            name = getattr(fn, "__name__", "op")
+        b = self._bulk.buf
         if b is not None:
             if b["key"] is not None and b["key"] != device:
                 self._flush_bulk()
                 b = self._bulk.buf
             b["key"] = device
-            b["ops"].append(_Op(fn, reads, writes, device, priority, name, meta))
+            b["ops"].append(_Op(fn, reads, writes, device, priority, name, meta, pure))
             if len(b["ops"]) >= b["size"]:
                 self._flush_bulk()
             return
-        self._push_op(_Op(fn, reads, writes, device, priority, name, meta))
+        self._push_op(_Op(fn, reads, writes, device, priority, name, meta, pure))
 
     def wait_for(self, var):
         """Block until every pushed write of ``var`` has run; raise its stored error if any.
@@ -169,7 +188,7 @@ class Engine:
 
     # ------------------------------------------------------------------ shared internals
     def _flush_bulk(self):
-        b = getattr(self._bulk, "buf", None)
+        b = self._bulk.buf
         if not b or not b["ops"]:
             return
         ops, key = b["ops"], b["key"]
@@ -200,46 +219,52 @@ class Engine:
         self._push_op(_Op(run_bulk, reads, writes, key, max(o.priority for o in ops),
                           f"bulk[{len(ops)}]", {"bulk": True}))
 
-    def _execute(self, op):
-        """Run one op (in whatever thread the engine chose): error passing and profiling."""
+    def _execute(self, op, clock=_now):
+        """Run one op (in whatever thread the engine chose): error passing, profiling, and when
+        the op has a cost cell, the moving average of its run time (read with ``clock``) that
+        the threaded engine uses to run tiny ops inline."""
         meta = op.meta
         if meta is not None and meta.get("bulk") is True:
             # A group: each member passes/stores its own errors; the group must neither skip
             # members whose inputs are fine nor clear the errors its members stored.
             prof = self.profiler
-            t0 = time.perf_counter() if prof is not None else 0.0
+            t0 = _now() if prof is not None else 0.0
             err = op.fn()
             if prof is not None:
-                prof.record(op.name, op.key, threading.current_thread().name, t0,
-                            time.perf_counter(), None)
+                prof.record(op.name, op.key, threading.current_thread().name, t0, _now(), None)
             return err
         for v in op.reads:
             if v.exc is not None:           # an input failed: do not run, pass the error on
                 for w in op.writes:
                     w.exc = v.exc
-                return
+                return None
         prof = self.profiler
-        t0 = time.perf_counter() if prof is not None else 0.0
+        cell = op.cell
+        t0 = _now() if prof is not None else 0.0
+        c0 = clock() if cell is not None else 0.0
         try:
             op.fn()
         except BaseException as e:  # noqa: BLE001 - a user error must never kill a worker
+            t1 = _now()
             err = OpError(op.name, e, "".join(traceback.format_exception(type(e), e, e.__traceback__)))
             for w in op.writes:
                 w.exc = err
             with self._err_lock:
                 self._errors.append(err)
             if prof is not None:
-                prof.record(op.name, op.key, threading.current_thread().name, t0,
-                            time.perf_counter(), op.meta)
+                prof.record(op.name, op.key, threading.current_thread().name, t0, t1, meta)
             return err
+        if cell is not None:
+            dt = clock() - c0
+            old = cell[0]
+            if old is None:
+                cell[0] = dt
+            else:   # moving average; a sample is capped at 4x the average (preemption spikes)
+                cell[0] = old + 0.25 * ((dt if dt < 4.0 * old else 4.0 * old) - old)
         for w in op.writes:
             w.exc = None
-        if prof is not None and not (op.meta and op.meta.get("bulk")):
-            prof.record(op.name, op.key, threading.current_thread().name, t0,
-                        time.perf_counter(), op.meta)
-        elif prof is not None:
-            prof.record(op.name, op.key, threading.current_thread().name, t0,
-                        time.perf_counter(), None)
+        if prof is not None:
+            prof.record(op.name, op.key, threading.current_thread().name, t0, _now(), meta)
         return None
 
 
@@ -251,7 +276,7 @@ class _Bulk:
 
     def __enter__(self):
         loc = self.engine._bulk
-        self.prev = getattr(loc, "buf", None)
+        self.prev = loc.buf
         if self.prev is not None:
             self.engine._flush_bulk()
         loc.buf = {"ops": [], "key": None, "size": self.size}

@@ -11,68 +11,99 @@ import heapq
 import itertools
 import os
 import threading
+import time
 
-from .base import Engine
+from .base import Engine, _now
 
 __all__ = ["ThreadedEngine"]
 
 
 class _Queue:
-    __slots__ = ("heap", "cond", "threads")
+    __slots__ = ("heap", "cond", "threads", "sleeping", "busy")
 
     def __init__(self, lock):
         self.heap = []
         self.cond = threading.Condition(lock)
         self.threads = []
+        self.sleeping = 0           # workers waiting on cond (notify only when > 0)
+        self.busy = 0               # ops of this device running (in workers or inline)
 
 
 class ThreadedEngine(Engine):
     """Asynchronous engine (the default). See :mod:`hybridl.engine.base` for the semantics.
 
+    Tiny ops run inline: an op pushed with ``pure`` set, ready at once, whose device has no op
+    queued or running, and whose cost key has been taking less than ``inline_s`` (moving
+    average of measured run times), runs in the pushing thread before ``push`` returns; a
+    thread waiting for an op likewise runs such ops from the head of that device's queue
+    instead of sleeping. For ops that small the hand-over to a worker (wake-up, GIL hand-over,
+    wake-up of the waiter) costs more than the op. Results, ordering and error handling are the
+    same (errors are still stored, not raised at the push); big or unknown ops stay asynchronous.
+
     Args:
         num_workers (int): worker threads per device queue (default 1, or ``HYBRIDL_NUM_WORKERS``).
+        inline_s (float): run-time bound for inline execution, seconds (default 50e-6; 0 turns
+            inlining off). Also settable as the attribute ``inline_s``.
+
+    Raises:
+        ValueError: ``num_workers`` < 1 or ``inline_s`` < 0.
     """
 
     name = "threaded"
 
-    def __init__(self, num_workers=None):
+    def __init__(self, num_workers=None, inline_s=50e-6):
         super().__init__()
         if num_workers is None:
             num_workers = int(os.environ.get("HYBRIDL_NUM_WORKERS", "1") or 1)
         if num_workers < 1:
             raise ValueError(f"num_workers: expected an integer >= 1, got {num_workers!r}")
+        if not inline_s >= 0:
+            raise ValueError(f"inline_s: expected a number of seconds >= 0, got {inline_s!r}")
         self.num_workers = num_workers
+        self.inline_s = inline_s
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
+        self._idle_waiters = 0
         self._queues = {}
         self._pending = 0
         self._seq = itertools.count()
         self._stopping = False
         self._worker_ids = set()
+        self._cost = {}                # cost key -> [moving average of run time (s) or None]
         self.on_new_worker = None      # callback(total_worker_count), used for the thread budget
 
     # ------------------------------------------------------------------ scheduling
     def _push_op(self, op):
         op.seq = next(self._seq)
+        pure = op.pure
+        if pure:
+            key = op.name if pure is True else pure
+            cell = self._cost.get(key)
+            if cell is None:
+                if len(self._cost) >= 4096:          # very many shapes: forget, re-learn
+                    self._cost.clear()
+                cell = self._cost[key] = [None]
+            op.cell = cell
+        writes = op.writes
         with self._lock:
             if self._stopping:
                 return
             n = 0
-            wids = set()
-            for v in op.writes:
-                wids.add(id(v))
+            for v in writes:
                 w = v._writer
                 if w is not None and not w.done and w is not op:   # a Var listed twice
                     w.dependents.append(op)
                     n += 1
-                for r in v._readers:
-                    if not r.done and r is not op:
-                        r.dependents.append(op)
-                        n += 1
+                rl = v._readers
+                if rl:
+                    for r in rl:
+                        if not r.done and r is not op:
+                            r.dependents.append(op)
+                            n += 1
+                    v._readers = []
                 v._writer = op
-                v._readers = []
             for v in op.reads:
-                if id(v) in wids:
+                if writes and v in writes:
                     continue
                 w = v._writer
                 if w is not None and not w.done:
@@ -84,8 +115,30 @@ class ThreadedEngine(Engine):
                 rl.append(op)
             op.pending = n
             self._pending += 1
-            if n == 0:
+            if n:
+                return
+            q = None
+            if pure:
+                c = cell[0]
+                if c is not None and c < self.inline_s:
+                    q = self._queues.get(op.key)
+                    if q is not None and not q.busy and not q.heap:
+                        q.busy += 1          # the device counts as busy while we run it here
+                    else:
+                        q = None
+            if q is None:
                 self._enqueue(op)
+                return
+        self._run_here(op, q)
+
+    def _run_here(self, op, q):
+        """Run ``op`` (already counted in ``q.busy``) in the calling thread, then finish it."""
+        try:
+            self._execute(op)
+        finally:
+            with self._lock:
+                q.busy -= 1
+                self._finish(op)
 
     def _enqueue(self, op):                 # lock held
         q = self._queues.get(op.key)
@@ -100,37 +153,54 @@ class ThreadedEngine(Engine):
             if self.on_new_worker is not None:
                 self.on_new_worker(sum(len(x.threads) for x in self._queues.values()))
         heapq.heappush(q.heap, op)
-        q.cond.notify()
+        if q.sleeping:                      # an awake worker looks at the heap before sleeping
+            q.cond.notify()
 
     def _worker(self, q):
         lock = self._lock
+        thread_time = time.thread_time
         op = None
         while True:
             with lock:
                 if op is not None:
+                    q.busy -= 1
                     self._finish(op)
                 while not q.heap:
                     if self._stopping:
                         return
-                    q.cond.wait()
+                    q.sleeping += 1
+                    try:
+                        q.cond.wait()
+                    finally:
+                        q.sleeping -= 1
                 if self._stopping:
                     q.heap.clear()
                     return
                 op = heapq.heappop(q.heap)
-            self._execute(op)
+                q.busy += 1
+            cell = op.cell
+            if cell is not None and (cell[0] is None or cell[0] < 20 * self.inline_s):
+                # A candidate for inlining: time it by this thread's CPU time, as its wall
+                # time here also counts waits for the GIL held by the frontend (clearly big
+                # ops skip the system call of the CPU clock).
+                self._execute(op, thread_time)
+            else:
+                self._execute(op)
 
     def _finish(self, op):                  # lock held
         op.done = True
-        for d in op.dependents:
-            d.pending -= 1
-            if d.pending == 0:
-                self._enqueue(d)
+        deps = op.dependents
+        if deps:
+            for d in deps:
+                d.pending -= 1
+                if d.pending == 0:
+                    self._enqueue(d)
         op.dependents = None
         op.fn = None                        # drop closures (and the arrays they hold) early
         if op.event is not None:
             op.event.set()
         self._pending -= 1
-        if self._pending == 0:
+        if self._pending == 0 and self._idle_waiters:
             self._idle.notify_all()
 
     # ------------------------------------------------------------------ waiting
@@ -140,20 +210,42 @@ class ThreadedEngine(Engine):
                                "ops must not call asnumpy()/wait_to_read() (deadlock)")
 
     def _wait_op(self, op):
-        with self._lock:
+        lock = self._lock
+        with lock:
             if op.done:
                 return
-            if op.event is None:
-                op.event = threading.Event()
-            ev = op.event
         self._check_not_worker()
-        ev.wait()
+        while True:
+            # Help while waiting: a tiny pure op at the head of the device's queue runs here
+            # rather than waiting for the worker to wake up and win the GIL.
+            with lock:
+                if op.done:
+                    return
+                q = self._queues.get(op.key)
+                job = None
+                if q is not None and q.heap:
+                    cell = q.heap[0].cell
+                    if cell is not None and cell[0] is not None and cell[0] < self.inline_s:
+                        job = heapq.heappop(q.heap)
+                        q.busy += 1
+                if job is None:
+                    if op.event is None:
+                        op.event = threading.Event()
+                    ev = op.event
+            if job is None:
+                ev.wait()
+                return
+            self._run_here(job, q)
 
     def _wait_all(self):
         self._check_not_worker()
         with self._lock:
             while self._pending:
-                self._idle.wait()
+                self._idle_waiters += 1
+                try:
+                    self._idle.wait()
+                finally:
+                    self._idle_waiters -= 1
 
     def shutdown(self, timeout=2.0):
         """Cancel queued ops, let running ones finish (up to ``timeout`` seconds), stop workers."""
