@@ -488,7 +488,8 @@ def _eager(op, inputs, attrs):
             res = kernel(*[a._data for a in arrs], **attrs)
             for o, r in zip(outs, res):
                 o._data = r
-    eng.push(run, reads, writes, dev, 0, op.name, meta, True)
+    # pure kernel: the threaded engine may run it inline when tiny; cost key (op, shapes)
+    eng.push(run, reads, writes, dev, 0, op.name, meta, (op, arrs[0].shape, outs[0].shape))
     if _ag._state.recording and op.differentiable:
         for a in arrs:
             if a._ag is not None or a._grad_req != "null":
