@@ -1,0 +1,254 @@
+"""Automatic parallelism and engine overhead, side by side in one run (figures are printed, not
+asserted).
+
+    python benchmarks/parallel.py [--rounds 7] [--sizes 256,512,1024] [--ops 4000] [--json PATH]
+
+1. Two independent chains of matmuls: *parallel* (chain A on cpu(0), chain B on cpu(1): two
+   worker threads) vs *serial* (both chains on cpu(0): one worker, one chain after the other).
+   BLAS threads matter on a small machine: two workers computing at once should use
+   ``cores // 2`` BLAS threads each (the engine's thread budget), or they oversubscribe the
+   cores; the serial run is measured with 1 BLAS thread and with all cores, and the speedup is
+   reported against both and against the best serial configuration. Target: >= 1.7x on 2
+   cores against the like-for-like serial run.
+2. Eager per-op overhead: ``x = x + 1`` on a tiny array, N times, then ``waitall()``: NumPy by
+   hand, the threaded engine without and with ``hl.engine.bulk(n)`` (consecutive ops grouped
+   into one engine task), with tiny-op inlining turned off (when the engine has it: every op
+   handed to the worker thread), and the naive (synchronous) engine. Microseconds per op
+   (total) and microseconds per op spent in the frontend's loop (push).
+
+Every figure is the median over ``--rounds`` rounds; within a round the configurations are
+run one after the other, so the slowly varying load of a shared machine hits them alike.
+"""
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import hybridl as hl  # noqa: E402
+
+CORES = os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def blas_threads(n):
+    """Run with ``n`` BLAS threads per GEMM: threadpoolctl's process-wide limit and, when the
+    ops set the BLAS thread count per GEMM (``hybridl.ops._blas``), that budget too."""
+    try:
+        from hybridl.ops import _blas
+        old = _blas.budget()
+    except (ImportError, AttributeError):
+        _blas, old = None, None
+    try:
+        from threadpoolctl import threadpool_limits
+        limit = threadpool_limits(limits=n, user_api="blas")
+    except ImportError:
+        limit = contextlib.nullcontext()
+    with limit:
+        if _blas is not None:
+            _blas.set_budget(n)
+        try:
+            yield
+        finally:
+            if _blas is not None:
+                _blas.set_budget(old)
+
+
+def warm_queues(devices):
+    """Start every worker (and its copy queue) before timing: creating a queue changes the
+    engine's BLAS budget, which must not happen inside a measured configuration."""
+    for d in devices:
+        a = hl.nd.ones((2, 2), device=d)
+        (a + 1).copyto(devices[0]).copyto(d).wait_to_read()
+    hl.waitall()
+
+
+# ============================================================================ 1. two chains
+
+def _inputs(n, device, seed):
+    rng = np.random.default_rng(seed)
+    q, _ = np.linalg.qr(rng.standard_normal((n, n)))          # orthogonal: no overflow
+    x = rng.standard_normal((n, n)).astype(np.float32)
+    return hl.nd.array(x, device=device), hl.nd.array(q.astype(np.float32), device=device)
+
+
+def _chain(x, w, steps):
+    for _ in range(steps):
+        x = hl.nd.dot(x, w)
+    return x
+
+
+def two_chains(n, steps, rounds):
+    """Median seconds per configuration for two chains of ``steps`` (n, n) matmuls."""
+    d0, d1 = hl.cpu(0), hl.cpu(1)
+    xa, wa = _inputs(n, d0, 0)
+    xb, wb = _inputs(n, d1, 1)
+    xb0, wb0 = xb.copyto(d0), wb.copyto(d0)
+    hl.waitall()
+
+    def parallel():
+        a, b = _chain(xa, wa, steps), _chain(xb, wb, steps)
+        a.wait_to_read()
+        b.wait_to_read()
+
+    def serial():
+        a, b = _chain(xa, wa, steps), _chain(xb0, wb0, steps)
+        a.wait_to_read()
+        b.wait_to_read()
+
+    half = max(1, CORES // 2)
+    configs = [("parallel", parallel, half), ("serial", serial, 1), ("serial", serial, CORES)]
+    if half != CORES:
+        configs.append(("parallel", parallel, CORES))         # oversubscribed, for reference
+    times = {(name, th): [] for name, _, th in configs}
+    for name, fn, th in configs:                               # warm-up
+        with blas_threads(th):
+            fn()
+    for _ in range(rounds):
+        for name, fn, th in configs:
+            with blas_threads(th):
+                hl.waitall()
+                t0 = time.perf_counter()
+                fn()
+                times[(name, th)].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}, half
+
+
+def report_two_chains(sizes, rounds, log):
+    out = []
+    log(f"1. two independent matmul chains: parallel (cpu(0) || cpu(1)) vs serial (cpu(0) only); "
+        f"median of {rounds}, seconds")
+    log(f"   {'n':>5} {'steps':>5} {'GFLOP':>6} | {'parallel':>15} | {'serial 1 thr':>12} "
+        f"{'serial ' + str(CORES) + ' thr':>12} | {'par ' + str(CORES) + 'x' + str(CORES):>9} | "
+        f"{'speedup vs 1thr':>15} {'vs best serial':>14}")
+    for n in sizes:
+        steps = max(2, int(round(4e9 / (2.0 * n ** 3) / 2)))  # ~2 GFLOP per chain
+        med, half = two_chains(n, steps, rounds)
+        par = med[("parallel", half)]
+        s1, sall = med[("serial", 1)], med[("serial", CORES)]
+        over = med.get(("parallel", CORES))
+        best = min(s1, sall)
+        gf = 2 * 2.0 * n ** 3 * steps / 1e9
+        row = {"n": n, "steps": steps, "gflop": gf, "parallel_s": par, "blas_threads_parallel": half,
+               "serial_1thread_s": s1, f"serial_{CORES}threads_s": sall,
+               "parallel_oversubscribed_s": over, "speedup_vs_serial_1thread": s1 / par,
+               "speedup_vs_best_serial": best / par}
+        out.append(row)
+        log(f"   {n:>5} {steps:>5} {gf:>6.2f} | {par:>8.4f} ({half} thr) | {s1:>12.4f} {sall:>12.4f} | "
+            f"{(over if over is not None else float('nan')):>9.4f} | {s1 / par:>14.2f}x {best / par:>13.2f}x")
+    return out
+
+
+# ============================================================================ 2. per-op overhead
+
+def per_op_overhead(nops, rounds):
+    """Microseconds per tiny op for each configuration (median over rounds)."""
+    a0 = np.ones((4, 4), np.float32)
+
+    def numpy_loop():
+        a = a0
+        for _ in range(nops):
+            a = a + 1.0
+        return a
+
+    def engine_loop(bulk=None):
+        def run():
+            x = hl.nd.array(a0)
+            hl.waitall()
+            scope = hl.engine.bulk(bulk) if bulk else contextlib.nullcontext()
+            t0 = time.perf_counter()
+            with scope:
+                for _ in range(nops):
+                    x = x + 1.0
+            t_push = time.perf_counter() - t0
+            x.wait_to_read()
+            assert x.asnumpy()[0, 0] == 1.0 + nops
+            return t_push
+        return run
+
+    def no_inline_loop():
+        eng = hl.engine.get_engine()
+        old = eng.inline_s
+        eng.inline_s = 0.0                     # every op goes to the device's worker thread
+        try:
+            return engine_loop()()
+        finally:
+            eng.inline_s = old
+
+    def naive_loop():
+        with hl.engine.set_engine("naive"):
+            return engine_loop()()
+
+    configs = [("numpy by hand", numpy_loop), ("threaded", engine_loop()),
+               ("threaded, bulk(16)", engine_loop(16)), ("threaded, bulk(64)", engine_loop(64)),
+               ("naive (synchronous)", naive_loop)]
+    if hasattr(hl.engine.get_engine(), "inline_s"):      # tiny ops may run in the pushing thread
+        configs.insert(2, ("threaded, no inlining", no_inline_loop))
+    total = {name: [] for name, _ in configs}
+    push = {name: [] for name, _ in configs}
+    for _, fn in configs:
+        fn()
+    for _ in range(rounds):
+        for name, fn in configs:
+            hl.waitall()
+            t0 = time.perf_counter()
+            tp = fn()
+            total[name].append(time.perf_counter() - t0)
+            push[name].append(tp if isinstance(tp, float) else None)
+    res = {}
+    for name, _ in configs:
+        tp = [p for p in push[name] if p is not None]
+        res[name] = {"us_per_op": statistics.median(total[name]) / nops * 1e6,
+                     "push_us_per_op": statistics.median(tp) / nops * 1e6 if tp else None}
+    return res
+
+
+def report_overhead(nops, rounds, log):
+    res = per_op_overhead(nops, rounds)
+    base = res["threaded"]["us_per_op"]
+    log(f"2. eager per-op overhead: x = x + 1 on a (4, 4) array, {nops} ops then wait; "
+        f"median of {rounds}, microseconds per op")
+    log(f"   {'configuration':<22} {'total us/op':>11} {'push us/op':>10} {'vs threaded':>11}")
+    for name, r in res.items():
+        p = f"{r['push_us_per_op']:.2f}" if r["push_us_per_op"] is not None else "-"
+        log(f"   {name:<22} {r['us_per_op']:>11.2f} {p:>10} {base / r['us_per_op']:>10.2f}x")
+    return res
+
+
+# ============================================================================ 3. multi-branch net
+# PLACEHOLDER (to be added by the engineer building the compiled-graph executor): hybridized
+# multi-branch network, hl.models.inception_net, executed with parallel segments vs as one
+# segment. Not measured here yet.
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=7, help="rounds (median; default 7)")
+    ap.add_argument("--sizes", default="256,512,1024", help="matrix sizes (default 256,512,1024)")
+    ap.add_argument("--ops", type=int, default=4000, help="tiny ops per overhead run (4000)")
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
+    a = ap.parse_args(argv)
+    sizes = [int(s) for s in a.sizes.split(",") if s.strip()]
+    log = print
+    eng = hl.engine.get_engine()
+    log(f"hybridl parallel benchmark: {CORES} cores, engine {eng.name} "
+        f"({getattr(eng, 'num_workers', 1)} worker(s) per device), load average "
+        f"{os.getloadavg()[0]:.1f} at start")
+    warm_queues([hl.cpu(0), hl.cpu(1)])
+    chains = report_two_chains(sizes, a.rounds, log)
+    overhead = report_overhead(a.ops, a.rounds, log)
+    log(f"load average {os.getloadavg()[0]:.1f} at end")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"cores": CORES, "two_chains": chains, "per_op_overhead": overhead}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
