@@ -1,0 +1,264 @@
+"""SyncBatchNorm: batch normalization whose statistics span every device of a data-parallel step.
+
+Plain :class:`hybridl.nn.BatchNorm` normalizes each device's slice with that slice's statistics
+(per-device BatchNorm, as MXNet and PyTorch do by default): with k devices and a total batch B
+the statistics come from B / k samples. SyncBatchNorm (Zhang et al. 2018, "Context Encoding for
+Semantic Segmentation", section 3.3; MXNet's ``contrib.SyncBatchNorm``, PyTorch's
+``nn.SyncBatchNorm``) computes them over all B samples, forward and backward:
+
+forward, per channel (x_i: the slice on device i, n = sum_i n_i)::
+
+    s_i = sum(x_i), q_i = sum(x_i^2)              # local, one engine op on device i
+    mean = sum_i s_i / n, var = sum_i q_i / n - mean^2   # all-reduce of (s, q)
+    y_i = gamma (x_i - mean) / sqrt(var + eps) + beta
+
+backward (dy_i given; xhat = (x - mean) / sqrt(var + eps))::
+
+    a_i = sum(dy_i), b_i = sum(dy_i * xhat_i)     # local, one engine op on device i
+    A = sum_i a_i, Bsum = sum_i b_i                # all-reduce of (a, b)
+    dx_i = gamma / sqrt(var + eps) * (dy_i - A / n - xhat_i * Bsum / n)
+    dgamma_i = b_i, dbeta_i = a_i                  # per-device parameter gradients; the
+                                                   # KVStore sums them like any other gradient
+
+How the devices meet. The frontend calls the replicas one after another
+(``for x in xs: outs.append(net(x))``), so when device 0's call returns, device 1's data has not
+even been pushed. Each call therefore joins a *group* (one per layer and step, closed when all k
+devices have joined). The first member pushes a *gate* op on a dedicated engine queue
+(``('sync', 'batch_norm')``, not a device's queue) that waits until the k local-statistics ops
+have run; every device's normalize op reads the gate's Var. No device worker ever blocks (a
+single worker per device cannot deadlock), ops of other layers keep running, and gates complete
+in the order they were created because a layer's statistics only depend on earlier layers,
+whose gates were created earlier. The backward pass forms its groups the same way, one per
+forward group. A gate whose group never completes (a device skipped) fails after
+``SYNC_TIMEOUT_S`` seconds with an error naming the devices that did not arrive; a failed input
+fails the gate at once.
+
+Requires the threaded engine (the naive engine runs each op at its push, before the other
+devices can arrive) and is not hybridizable (its devices meet between separate calls).
+"""
+import threading
+
+import numpy as np
+
+from .. import autograd
+from .. import engine as _engine
+from ..engine import Var
+from ..nn.layers import BatchNorm
+
+__all__ = ["SyncBatchNorm", "SYNC_TIMEOUT_S"]
+
+SYNC_TIMEOUT_S = 120.0
+_QUEUE = ("sync", "batch_norm")
+
+
+class _Group:
+    """k devices meeting once: local partial sums, a gate op that opens when all arrived."""
+
+    def __init__(self, k, what):
+        self.k, self.what = k, what
+        self.devices = []
+        self.partials = {}          # member index -> tuple of NumPy arrays
+        self.inputs = []            # Vars whose failure must open (and fail) the gate
+        self.lock = threading.Lock()
+        self.event = threading.Event()
+        self.error = None
+        self.gate = Var(f"sync_bn.{what}.gate")
+        self.bwd = None
+        _engine.push(self._wait, [], [self.gate], _QUEUE, 0, f"sync_bn.{what}.gate")
+
+    def join(self, device, input_vars):
+        if device in self.devices:
+            raise RuntimeError(f"SyncBatchNorm: device {device!r} ran {self.what} twice before "
+                               f"every device of the step did ({self.devices} of {self.k} so far); "
+                               f"call the replicas once per device per step")
+        self.devices.append(device)
+        self.inputs.extend(input_vars)
+        return len(self.devices) - 1
+
+    @property
+    def full(self):
+        return len(self.devices) >= self.k
+
+    def arrive(self, idx, partial):
+        with self.lock:
+            self.partials[idx] = partial
+            if len(self.partials) == self.k:
+                self.event.set()
+
+    def _wait(self):
+        waited = 0.0
+        while not self.event.wait(0.05):
+            waited += 0.05
+            for v in list(self.inputs):
+                if v.exc is not None:
+                    raise RuntimeError(f"SyncBatchNorm {self.what}: an input of a device failed; "
+                                       f"see the original error") from v.exc
+            if waited >= SYNC_TIMEOUT_S:
+                raise RuntimeError(
+                    f"SyncBatchNorm {self.what}: only {len(self.partials)} of {self.k} devices "
+                    f"arrived within {SYNC_TIMEOUT_S:.0f} s (joined: {self.devices}); every "
+                    f"device must run the layer in each step")
+
+    def totals(self):
+        parts = [self.partials[i] for i in range(self.k)]
+        return [sum(p[j] for p in parts) for j in range(len(parts[0]))]
+
+
+def _bshape(ndim, axis, c):
+    s = [1] * ndim
+    s[axis] = c
+    return tuple(s)
+
+
+def _grad(ctx, gy):
+    return _backward(ctx.attrs["_member"], gy)
+
+
+_OP = None
+
+
+def _op():
+    global _OP
+    if _OP is None:
+        from ..ops.registry import Op
+        _OP = Op("sync_batch_norm", lambda *a, **k: None, lambda x, g, b, **k: [(x.shape, x.dtype)],
+                 _grad)
+    return _OP
+
+
+class _Member:
+    __slots__ = ("group", "idx", "x", "gamma", "y", "axis", "eps", "saved")
+
+    def __init__(self, group, idx, x, gamma, y, axis, eps):
+        self.group, self.idx, self.x, self.gamma, self.y = group, idx, x, gamma, y
+        self.axis, self.eps = axis, eps
+        self.saved = None            # (mean, invstd) float64, set by the normalize op
+
+
+def _forward(layer, group, x, gamma, beta, rm, rv):
+    from ..ndarray import NDArray
+    axis, eps, mom = layer._axis % len(x.shape), layer._eps, layer._momentum
+    red = tuple(i for i in range(len(x.shape)) if i != axis)
+    dev = x.device
+    idx = group.join(dev, [x._var, gamma._var, beta._var])
+    y = NDArray(x.shape, x.dtype, dev)
+    mem = _Member(group, idx, x, gamma, y, axis, eps)
+    pvar = Var("sync_bn.partial")
+
+    def local_stats():
+        a = x._data.astype(np.float64, copy=False)
+        group.arrive(idx, (a.sum(axis=red), np.square(a).sum(axis=red),
+                           np.float64(a.size // max(a.shape[axis], 1))))
+    _engine.push(local_stats, [x._var], [pvar], dev, 0, "sync_bn.local_stats")
+
+    def normalize():
+        s, q, n = group.totals()
+        mean = s / n
+        var = np.maximum(q / n - mean * mean, 0.0)
+        inv = 1.0 / np.sqrt(var + eps)
+        mem.saved = (mean, inv)
+        shp = _bshape(x._data.ndim, axis, mean.shape[0])
+        xd = x._data
+        scale = (gamma._data.astype(np.float64) * inv).astype(xd.dtype)
+        shift = (beta._data.astype(np.float64) - mean * gamma._data * inv).astype(xd.dtype)
+        y._data = xd * scale.reshape(shp) + shift.reshape(shp)
+        m = rm._data.dtype.type(mom)
+        rm._data = (rm._data * m + (1 - m) * mean).astype(rm._data.dtype)
+        unb = var * (n / max(n - 1.0, 1.0))
+        rv._data = (rv._data * m + (1 - m) * unb).astype(rv._data.dtype)
+    _engine.push(normalize, [x._var, gamma._var, beta._var, group.gate, pvar],
+                 [y._var, rm._var, rv._var], dev, 0, "sync_bn.normalize")
+    if autograd.is_recording() and any(a._ag is not None or a._grad_req != "null"
+                                       for a in (x, gamma, beta)):
+        autograd.record_op(_op(), (x, gamma, beta), [y], {"_member": mem})
+    return y
+
+
+def _backward(mem, gy):
+    from ..ndarray import NDArray
+    g = mem.group
+    if g.bwd is None or g.bwd.full:
+        g.bwd = _Group(g.k, "backward")
+    bg = g.bwd
+    x, gamma, y, axis = mem.x, mem.gamma, mem.y, mem.axis
+    dev = x.device
+    idx = bg.join(dev, [gy._var])
+    red = tuple(i for i in range(len(x.shape)) if i != axis)
+    dx = NDArray(x.shape, x.dtype, dev)
+    dgamma = NDArray(gamma.shape, gamma.dtype, dev)
+    dbeta = NDArray(gamma.shape, gamma.dtype, dev)
+    pvar = Var("sync_bn.bwd_partial")
+    box = {}
+
+    def local_sums():
+        mean, inv = mem.saved
+        shp = _bshape(x._data.ndim, axis, mean.shape[0])
+        d = gy._data.astype(np.float64, copy=False)
+        xhat = (x._data - mean.reshape(shp)) * inv.reshape(shp)
+        a, b = d.sum(axis=red), (d * xhat).sum(axis=red)
+        box["xhat"], box["a"], box["b"] = xhat, a, b
+        bg.arrive(idx, (a, b, np.float64(x._data.size // max(x._data.shape[axis], 1))))
+    _engine.push(local_sums, [gy._var, x._var, y._var], [pvar], dev, 0, "sync_bn.bwd_sums")
+
+    def grads():
+        A, B, n = bg.totals()
+        mean, inv = mem.saved
+        shp = _bshape(x._data.ndim, axis, mean.shape[0])
+        xhat = box.pop("xhat")
+        k = (gamma._data.astype(np.float64) * inv).reshape(shp)
+        d = gy._data.astype(np.float64, copy=False)
+        dx._data = (k * (d - (A / n).reshape(shp) - xhat * (B / n).reshape(shp))).astype(x.dtype)
+        dgamma._data = box["b"].astype(gamma.dtype)
+        dbeta._data = box["a"].astype(gamma.dtype)
+    _engine.push(grads, [gy._var, x._var, gamma._var, bg.gate, pvar],
+                 [dx._var, dgamma._var, dbeta._var], dev, 0, "sync_bn.bwd_grads")
+    return dx, dgamma, dbeta
+
+
+class SyncBatchNorm(BatchNorm):
+    """Cross-device batch normalization (see the module docstring for the algorithm).
+
+    Same arguments, parameters and shapes as :class:`hybridl.nn.BatchNorm`, plus
+    ``num_devices`` (int or None): how many devices meet in each step (default: the number of
+    devices the layer's parameters were initialized on). In predict mode it is plain
+    BatchNorm with the running statistics (identical on every device).
+
+    Raises:
+        RuntimeError: a device calls the layer twice before all devices of the step did; the
+            naive engine with several devices; hybridization (tracing).
+    """
+
+    def __init__(self, axis=1, momentum=0.9, epsilon=1e-5, center=True, scale=True,
+                 in_channels=0, num_devices=None, dtype="float32"):
+        super().__init__(axis, momentum, epsilon, center, scale, in_channels, dtype)
+        object.__setattr__(self, "_num_devices", num_devices)
+        object.__setattr__(self, "_group", None)
+
+    def hybridize(self, active=True, **kwargs):
+        """SyncBatchNorm always runs imperatively (its devices meet between calls)."""
+        object.__setattr__(self, "_active", False)
+
+    def forward(self, x):
+        from ..graph import trace as _trace
+        if not autograd.is_training():
+            return super().forward(x)
+        if _trace.is_tracing():
+            raise RuntimeError("SyncBatchNorm cannot be hybridized: the devices meet between "
+                               "separate per-device calls; hybridize the blocks around it, or "
+                               "use BatchNorm inside hybridized code")
+        if not self.gamma._shape_known():
+            c = x.shape[self._axis]
+            for p in self._params():
+                p._finish_deferred_init((c,))
+        k = self._num_devices or len(self.gamma.list_device())
+        if k > 1 and _engine.get_engine().name == "naive":
+            raise RuntimeError("SyncBatchNorm over several devices needs the threaded engine "
+                               "(HYBRIDL_ENGINE=naive runs each op at its push, before the "
+                               "other devices can join)")
+        g = self._group
+        if g is None or g.full:
+            g = _Group(k, "forward")
+            object.__setattr__(self, "_group", g)
+        dev = x.device
+        gm, bt, rm, rv = (p.data(dev) for p in self._params())
+        return _forward(self, g, x, gm, bt, rm, rv)
