@@ -203,10 +203,13 @@ def measure_fusion_threshold(sizes=None, reps=15):
     return (thr if thr is not None else sizes[-1] * 2), rows
 
 
-def _fused_kernel(*arrays, expr, names, dtype, out=None):
+def _fused_kernel(*arrays, expr, names, dtype, shape=None, out=None):
     import numexpr as ne
     r = ne.evaluate(expr, local_dict=dict(zip(names, arrays)), out=out)
-    return r if r.dtype == dtype else r.astype(dtype)
+    r = r if r.dtype == dtype else r.astype(dtype)
+    if shape is not None and r.shape != tuple(shape):
+        r = np.array(np.broadcast_to(r, shape))
+    return r
 
 
 def _fused_infer(*xs, expr, names, dtype, shape):
