@@ -245,33 +245,54 @@ def fuse_elementwise(graph, threshold=None):
         return (n.kind == "op" and n.op.ew is not None and len(n.specs) == 1
                 and uses.get(s.key(), 0) == 1 and s.key() not in outs)
 
+    def big_ew(n):
+        return (n.kind == "op" and n.op.ew is not None and len(n.specs) == 1
+                and int(np.prod(n.specs[0][0])) >= thr)
+
+    # chain roots and the values they absorb: consumers come after producers, so walking the
+    # nodes backwards meets each chain at its root first (fusing at inner nodes first would
+    # cut one chain into several kernels)
+    absorbed = set()
+    for n in reversed(graph.nodes):
+        if not big_ew(n) or n.outputs()[0].key() in absorbed:
+            continue
+        stack = list(n.inputs)
+        while stack:
+            s = stack.pop()
+            if fusable(s) and int(np.prod(s.shape)) >= 1 and s.key() not in absorbed:
+                absorbed.add(s.key())
+                stack.extend(s.node.inputs)
+    new_of = {}        # original value key -> its value in the rebuilt graph
+
     def rw(node, ins):
-        if node.op.ew is None or len(node.specs) != 1 or int(np.prod(node.specs[0][0])) < thr:
+        for s, t in zip(node.inputs, ins):
+            new_of[s.key()] = t
+        if not big_ew(node) or node.outputs()[0].key() in absorbed:
             return None
         leaves, names = [], {}
-        count = [0]
+        count = [1]
 
-        def expr_of(s, top=False):
-            if not top and fusable(s) and int(np.prod(s.shape)) >= 1:
+        def expr_of(s):
+            if s.key() in absorbed:
                 count[0] += 1
                 return "(" + s.node.op.ew.format(*[expr_of(x) for x in s.node.inputs]) + ")"
             k = s.key()
             if k not in names:
                 names[k] = f"i{len(leaves)}"
-                leaves.append(s)
+                leaves.append(new_of.get(k, s))
             return names[k]
-        count[0] = 1
-        expr = node.op.ew.format(*[expr_of(x) for x in ins])
+        expr = node.op.ew.format(*[expr_of(x) for x in node.inputs])
         if count[0] < 2:
             return None
         shape, dt = node.specs[0]
         try:
-            sample = {names[s.key()]: np.ones((1,) * max(len(s.shape), 0), s.dtype) for s in leaves}
+            sample = {names[k]: np.ones((1,) * len(s.shape), s.dtype)
+                      for k, s in zip(names, leaves)}
             if ne.evaluate(expr, local_dict=sample).dtype != dt:
                 return None
         except Exception:  # noqa: BLE001 - numexpr cannot express it: keep the chain
             return None
-        attrs = {"expr": expr, "names": tuple(names[s.key()] for s in leaves), "dtype": dt.name,
+        attrs = {"expr": expr, "names": tuple(names[k] for k in names), "dtype": dt.name,
                  "shape": shape}
         return [Node("op", FUSED, leaves, attrs, node.specs, "fused").out()]
     return eliminate_dead_code(rebuild(graph, rw))
