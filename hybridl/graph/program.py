@@ -76,7 +76,13 @@ class Program:
 
     def _run_constant(self):
         from .. import nd
-        outs = self.fn()
+        if self.op.random:       # no inputs but random draws: use the RNG after earlier draws
+            from .. import engine as _engine
+            from .. import random as _random
+            _engine.wait_for(_random._state.var)
+            outs = self.fn(_rng=_random._state.gen)
+        else:
+            outs = self.fn()
         res = [nd.array(np.array(o, copy=True)) for o in outs]
         return res[0] if len(res) == 1 else tuple(res)
 
