@@ -15,6 +15,7 @@ cores (the best a single queue can do), so the speedup is not an artefact of ove
 Prints the median time of each configuration (seconds) and the speedups.
 """
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -52,14 +53,36 @@ def timed(fn, repeat):
     return statistics.median(ts)
 
 
+@contextlib.contextmanager
 def blas_threads(n):
-    """A context manager limiting BLAS threads to ``n`` (threadpoolctl), or a no-op without it."""
+    """Run with ``n`` BLAS threads per GEMM: threadpoolctl's process-wide limit and, when the
+    ops set the BLAS thread count per GEMM (``hybridl.ops._blas``), that budget too."""
+    try:
+        from hybridl.ops import _blas
+        old = _blas.budget()
+    except (ImportError, AttributeError):
+        _blas, old = None, None
     try:
         from threadpoolctl import threadpool_limits
-        return threadpool_limits(limits=n, user_api="blas")
+        limit = threadpool_limits(limits=n, user_api="blas")
     except ImportError:
-        import contextlib
-        return contextlib.nullcontext()
+        limit = contextlib.nullcontext()
+    with limit:
+        if _blas is not None:
+            _blas.set_budget(n)
+        try:
+            yield
+        finally:
+            if _blas is not None:
+                _blas.set_budget(old)
+
+
+def warm_queues(devices):
+    """Start the workers (and copy queues) of ``devices`` before timing: a new queue changes
+    the engine's BLAS thread budget, which must not happen inside a measurement."""
+    for d in devices:
+        (hl.nd.ones((2, 2), device=d) + 1).copyto(devices[0]).copyto(d).wait_to_read()
+    hl.waitall()
 
 
 def run(n=512, steps=12, repeat=5, trace=None, log=print):
@@ -67,9 +90,11 @@ def run(n=512, steps=12, repeat=5, trace=None, log=print):
     the Chrome trace of one parallel run, if given)."""
     cores = os.cpu_count() or 1
     d0, d1 = hl.cpu(0), hl.cpu(1)
+    warm_queues([d0, d1])
     x0, w0 = make_inputs(n, d0, 0)
     x1, w1 = make_inputs(n, d1, 1)
     x1_on0, w1_on0 = x1.copyto(d0), w1.copyto(d0)
+    hl.waitall()
 
     def only0():
         chain(x0, w0, steps).wait_to_read()
