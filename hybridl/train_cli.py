@@ -68,8 +68,17 @@ def build_parser(prog="hybridl train"):
     p.add_argument("--wd", type=float, default=0.0)
     p.add_argument("--device", default="cpu:0", type=_device_list, help="e.g. cpu:0")
     p.add_argument("--devices", default=None, type=_device_list,
-                   help="several devices, e.g. cpu:0,cpu:1 (data parallel by default)")
-    p.add_argument("--strategy", default="data", choices=("data", "pipeline", "tensor"))
+                   help="several devices, e.g. cpu:0,cpu:1 (data parallel by default); "
+                        "--batch-size stays the total batch, so each device gets batch/k "
+                        "samples. Linear scaling rule (Goyal et al. 2017): if you grow the "
+                        "batch k-fold, multiply --lr by k (not done automatically)")
+    p.add_argument("--strategy", default="data", choices=("data", "pipeline", "tensor"),
+                   help="with --devices: data (replicas + ring allreduce), pipeline (stages "
+                        "+ micro-batches) or tensor (Dense/Conv2D split by output features)")
+    p.add_argument("--microbatches", type=_positive_int, default=4,
+                   help="micro-batches per batch for --strategy pipeline")
+    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"),
+                   help="pipeline schedule for --strategy pipeline")
     p.add_argument("--engine", default=None, choices=("threaded", "naive"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save", default=None, metavar="PATH", help="save parameters (safetensors)")
@@ -117,9 +126,13 @@ def evaluate(net, loader, devices=None):
 
 
 def fit(net, trainer, train_loader, test_loader, epochs, loss_fn=None, log=print,
-        progress=True, rank0=True, step_hook=None):
+        progress=True, rank0=True, step_hook=None, batch_fn=None):
     """Train ``net`` for ``epochs``; returns a list of per-epoch dicts (loss, train_acc,
-    test_acc, samples_per_s, seconds). Per-epoch loss is the mean per-sample loss."""
+    test_acc, samples_per_s, seconds). Per-epoch loss is the mean per-sample loss.
+
+    ``batch_fn(x, y) -> (per-sample losses, outputs)``, when given, replaces the default
+    record/forward/backward of a batch (e.g. a pipeline's micro-batch schedule); the trainer
+    step, the statistics and the printed lines stay the same."""
     from . import autograd, loss as L, nd
     loss_fn = loss_fn or L.SoftmaxCrossEntropyLoss()
     history = []
@@ -133,10 +146,13 @@ def fit(net, trainer, train_loader, test_loader, epochs, loss_fn=None, log=print
                        unit="batch", file=sys.stderr, dynamic_ncols=True)
         sums, n_seen = [], 0
         for x, y in it:
-            with autograd.record():
-                out = net(x)
-                loss = loss_fn(out, y)
-            loss.backward()
+            if batch_fn is not None:
+                loss, out = batch_fn(x, y)
+            else:
+                with autograd.record():
+                    out = net(x)
+                    loss = loss_fn(out, y)
+                loss.backward()
             trainer.step(x.shape[0])
             sums.append((nd.sum(loss), nd.sum(nd.equal(nd.argmax(out, axis=1), y.astype("int64")))))
             n_seen += x.shape[0]
