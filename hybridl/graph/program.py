@@ -67,6 +67,9 @@ class Program:
         """Run on NDArrays (or NumPy arrays / numbers, converted); returns NDArray(s)."""
         from .. import nd
         from ..ops.dispatch import apply
+        if len(args) != len(self.in_specs):
+            raise ValueError(f"{self.op.name}: expected {len(self.in_specs)} inputs "
+                             f"{self.input_names}, got {len(args)}")
         conv = []
         for x, (s, d) in zip(args, self.in_specs):
             conv.append(x if isinstance(x, nd.NDArray) else nd.array(np.asarray(x, d)))
