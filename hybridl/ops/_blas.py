@@ -2,16 +2,17 @@
 
 OpenBLAS (NumPy's BLAS) starts its thread pool for every GEMM above a tiny size; for the
 small matrices of a LeNet step the hand-over costs more than it gains, and on a loaded machine
-spinning BLAS threads can make a step 5-10x slower. Kernels call :func:`for_flops` before a
+spinning BLAS threads can make a step 5-10x slower. Kernels call :func:`for_gemm` before a
 GEMM: below ``HYBRIDL_BLAS_MT_FLOPS`` (default 2e7 flops, about a 215^3 product) one thread is
 used, above it the budget set by the engine (cores // busy workers). Switching costs ~2 us
 through threadpoolctl's OpenBLAS controller and only happens when the wanted count changes.
 """
 import os
 
-__all__ = ["for_flops", "set_budget", "budget"]
+__all__ = ["for_gemm", "set_budget", "budget"]
 
 MT_FLOPS = float(os.environ.get("HYBRIDL_BLAS_MT_FLOPS", 2e7))
+MT_OUT = int(os.environ.get("HYBRIDL_BLAS_MT_OUT", 64 * 64))
 _state = {"ctl": None, "cur": None, "max": os.cpu_count() or 1, "ok": None}
 
 
@@ -28,9 +29,11 @@ def _controller():
     return _state["ctl"]
 
 
-def for_flops(flops):
-    """Set the BLAS thread count suited to a GEMM of ``flops`` floating-point operations."""
-    want = _state["max"] if flops >= MT_FLOPS else 1
+def for_gemm(m, n, k):
+    """Set the BLAS thread count suited to an (m x k) @ (k x n) product: several threads only
+    when it has >= ``MT_FLOPS`` flops AND an output of >= ``MT_OUT`` elements (OpenBLAS splits
+    the output among threads; a tall-skinny product with a tiny output gains nothing)."""
+    want = _state["max"] if (2.0 * m * n * k >= MT_FLOPS and m * n >= MT_OUT) else 1
     if want != _state["cur"]:
         ctl = _controller()
         if ctl is not None:

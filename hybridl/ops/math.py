@@ -696,7 +696,7 @@ def _g_matmul(c, g):
 
 
 def _mm_kernel(a, b, out=None):
-    _blas.for_flops(2.0 * a.size * (b.shape[-1] if b.ndim > 1 else 1))
+    _blas.for_gemm(a.size // builtins.max(a.shape[-1], 1), b.shape[-1] if b.ndim > 1 else 1, a.shape[-1])
     if a.dtype != b.dtype:
         return np.matmul(a, b, dtype=promote(a.dtype, b.dtype), out=out)
     return np.matmul(a, b, out=out)
@@ -743,7 +743,7 @@ def _fc_infer(x, w, *b, flatten=True):
 
 def _fc_kernel(x, w, b=None, flatten=True, out=None):
     x2 = x.reshape(x.shape[0], -1) if flatten else x.reshape(-1, x.shape[-1])
-    _blas.for_flops(2.0 * x2.size * w.shape[0])
+    _blas.for_gemm(x2.shape[0], w.shape[0], x2.shape[1])
     y = np.matmul(x2, w.T, out=None if out is None else out.reshape(x2.shape[0], w.shape[0]))
     if b is not None:
         y += b
