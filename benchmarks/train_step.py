@@ -1,0 +1,145 @@
+"""Per-step training time: hybridl (eager and hybridized) vs NumPy by hand vs PyTorch eager /
+torch.compile vs jax.jit, on the workloads of ../shared/bench/peers.py:
+
+* MLP 784-256-128-10, softmax cross-entropy, SGD lr 0.1, batch 32 and 256;
+* LeNet (conv 6@5x5 pad 2, avg-pool 2, conv 16@5x5, avg-pool 2, dense 120-84-10, ReLU) on
+  1x28x28, batch 128, SGD lr 0.1.
+
+Same initial weights (the peers' init) and the same batches for every framework. Targets
+(issue 3, eager): MLP b256 <= 1.15x NumPy by hand; LeNet <= 1.0x PyTorch eager. (issue 4,
+hybridized): MLP b32 <= 1.0x jax.jit; MLP b256 <= best peer; LeNet <= torch.compile.
+
+    python benchmarks/train_step.py [--no-peers] [--only mlp32,mlp256,lenet]
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import bench, run_peer, table  # noqa: E402
+
+import hybridl as hl  # noqa: E402
+from hybridl import autograd, nn  # noqa: E402
+
+SEED, LR, NPOOL = 0, 0.1, 16
+
+
+def _init_linear(rng, fi, fo):
+    b = 1.0 / np.sqrt(fi)
+    return rng.uniform(-b, b, (fo, fi)).astype(np.float32), rng.uniform(-b, b, (fo,)).astype(np.float32)
+
+
+def _init_conv(rng, ci, co, k):
+    b = 1.0 / np.sqrt(ci * k * k)
+    return rng.uniform(-b, b, (co, ci, k, k)).astype(np.float32), rng.uniform(-b, b, (co,)).astype(np.float32)
+
+
+def mlp_net():
+    rng = np.random.default_rng(SEED)
+    net = nn.HybridSequential()
+    net.add(nn.Dense(256, activation="relu", in_units=784), nn.Dense(128, activation="relu", in_units=256),
+            nn.Dense(10, in_units=128))
+    net.initialize()
+    for layer, (fi, fo) in zip(net, [(784, 256), (256, 128), (128, 10)]):
+        w, b = _init_linear(rng, fi, fo)
+        layer.weight.set_data(w)
+        layer.bias.set_data(b)
+    return net
+
+
+def lenet_net():
+    rng = np.random.default_rng(SEED)
+    net = nn.HybridSequential()
+    net.add(nn.Conv2D(6, 5, padding=2, activation="relu", in_channels=1), nn.AvgPool2D(2),
+            nn.Conv2D(16, 5, activation="relu", in_channels=6), nn.AvgPool2D(2), nn.Flatten(),
+            nn.Dense(120, activation="relu", in_units=400), nn.Dense(84, activation="relu", in_units=120),
+            nn.Dense(10, in_units=84))
+    net.initialize()
+    vals = [_init_conv(rng, 1, 6, 5), _init_conv(rng, 6, 16, 5), _init_linear(rng, 400, 120),
+            _init_linear(rng, 120, 84), _init_linear(rng, 84, 10)]
+    layers = [net[0], net[2], net[5], net[6], net[7]]
+    for layer, (w, b) in zip(layers, vals):
+        layer.weight.set_data(w)
+        layer.bias.set_data(b)
+    return net
+
+
+def data(batch, shape):
+    rng = np.random.default_rng(SEED + 1)
+    xs = [hl.nd.array(rng.random((batch,) + shape, dtype=np.float32)) for _ in range(NPOOL)]
+    ys = [hl.nd.array(rng.integers(0, 10, size=batch).astype(np.int64)) for _ in range(NPOOL)]
+    return xs, ys
+
+
+def hybridl_step_time(make_net, batch, shape, hybridize, inner):
+    net = make_net()
+    if hybridize:
+        net.hybridize()
+    xs, ys = data(batch, shape)
+    loss_fn = hl.loss.SoftmaxCrossEntropyLoss()
+    trainer = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": LR})
+    st = {"i": 0}
+
+    def step():
+        i = st["i"]
+        st["i"] = (i + 1) % NPOOL
+        with autograd.record():
+            loss = loss_fn(net(xs[i]), ys[i])
+        loss.backward()
+        trainer.step(batch)
+        return loss
+
+    def step_sync():
+        step().wait_to_read()
+        hl.waitall()
+    losses = [float(step().mean().item()) for _ in range(3)]
+    t = bench(step_sync, inner)
+    return t * 1e3, losses
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--only", default="mlp32,mlp256,lenet")
+    args = ap.parse_args(argv)
+    only = args.only.split(",")
+    peers = not args.no_peers
+    print(f"hybridl {hl.__version__}, engine {hl.engine.get_engine().name}, cores {os.cpu_count()}")
+    for key, batch in (("mlp32", 32), ("mlp256", 256)):
+        if key not in only:
+            continue
+        inner = 20 if batch <= 32 else 10
+        e, le = hybridl_step_time(mlp_net, batch, (784,), False, inner)
+        h, lh = hybridl_step_time(mlp_net, batch, (784,), True, inner)
+        rows = [("hybridl eager", e), ("hybridl hybridized", h)]
+        if peers:
+            for fw in ("numpy", "torch_eager", "torch_compile", "jax_jit_t1", "jax_jit"):
+                rows.append((fw, run_peer("mlp_train", f"{fw}@{batch}")))
+        table(f"MLP 784-256-128-10 training step, batch {batch} (first losses eager {le[0]:.4f}, "
+              f"hybridized {lh[0]:.4f})", rows, ref="numpy")
+        _ratios(rows)
+    if "lenet" in only:
+        e, le = hybridl_step_time(lenet_net, 128, (1, 28, 28), False, 3)
+        h, lh = hybridl_step_time(lenet_net, 128, (1, 28, 28), True, 3)
+        rows = [("hybridl eager", e), ("hybridl hybridized", h)]
+        if peers:
+            for fw in ("numpy_im2col", "torch_eager", "torch_compile", "jax_jit"):
+                rows.append((fw, run_peer("cnn_train", fw)))
+        table(f"LeNet training step, batch 128 (first losses eager {le[0]:.4f}, hybridized {lh[0]:.4f})",
+              rows, ref="torch_eager")
+        _ratios(rows)
+
+
+def _ratios(rows):
+    d = {k: v for k, v in rows if v is not None}
+    peers = {k: v for k, v in d.items() if not k.startswith("hybridl")}
+    if peers:
+        best = min(peers, key=peers.get)
+        for k in ("hybridl eager", "hybridl hybridized"):
+            print(f"  {k} / best peer ({best}): {d[k] / peers[best]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
