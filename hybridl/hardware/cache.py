@@ -17,7 +17,7 @@ SCHEMA_VERSION = 1
 _memo: dict = {}
 
 # top-level keys and their JSON types (see hybridl.hardware.report for their meaning)
-_TOP = {"schema_version": int, "created_utc": str, "quick": bool, "duration_s": (int, float),
+_TOP = {"schema_version": int, "created_utc": str, "quick": bool, "duration_s": (int, float), "group_seconds": dict,
         "platform": dict, "probe": dict, "measurements": dict, "errors": dict, "roofline": dict}
 _GROUPS = {"memory_bandwidth": list, "memory_latency": (dict, type(None)), "gemm": list,
            "storage": list, "interconnect": list}

@@ -18,6 +18,7 @@ __all__ = ["measure_memory_bandwidth", "measure_memory_latency", "detect_cache_l
 _KiB, _MiB, _GiB = 1024, 1024**2, 1024**3
 _DEFAULT_LLC = 32 * _MiB  # assumed when the probe does not know the last-level cache
 _TRIAD_CHUNK = 32768      # elements; the triad's temporary stays in L2
+_SWEEP_MAX = 64 * _MiB    # larger working sets are swept once (they are DRAM-bound anyway)
 _HUGE = 2 * 1024 * 1024   # transparent huge page size on x86-64 / most arm64
 
 
@@ -206,6 +207,9 @@ def _default_sizes(min_bytes, max_bytes, points_per_octave):
         s = max(256, s // 256 * 256)
         if s > max_bytes:
             break
+        if s > _SWEEP_MAX and k % points_per_octave:
+            k += 1
+            continue
         if not sizes or s != sizes[-1]:
             sizes.append(s)
         k += 1
@@ -234,7 +238,9 @@ def measure_memory_latency(max_bytes: int | None = None, min_bytes: int = 4 * _K
     nested page walks still add to the largest sizes. The whole curve is swept ``repeats``
     times (a fresh random cycle each sweep) and each point is the minimum over sweeps of a
     ~``target_seconds`` run: interference from other processes only adds time, and spreading
-    a point's samples in time keeps one burst of it from spoiling the point.
+    a point's samples in time keeps one burst of it from spoiling the point (sizes above
+    64 MiB, far beyond the caches, are measured in the first sweep only, and by default at one
+    size per octave: building a random cycle over 1 GiB takes seconds).
 
     Limits: includes ~1 cycle of loop overhead per step; the random chase also pays TLB misses
     for sets larger than the TLB reach; a cache shared with other tenants (VMs) has a smaller
@@ -304,7 +310,8 @@ def measure_memory_latency(max_bytes: int | None = None, min_bytes: int = 4 * _K
     mv = memoryview(mm).cast("Q") if fn is None else None
     samples = {o: [[] for _ in sizes] for o in orders}
     overhead = {}
-    total = len(sizes) * len(orders) * repeats
+    big = sum(1 for ws in sizes if ws > _SWEEP_MAX)
+    total = (len(sizes) * repeats - big * (repeats - 1)) * len(orders)
     done = 0
     try:
         if fn is None:  # cost of the Python loop itself, on an L1-resident chain
@@ -317,8 +324,10 @@ def measure_memory_latency(max_bytes: int | None = None, min_bytes: int = 4 * _K
         for sweep in range(repeats):
             for order in orders:
                 for k, ws in enumerate(sizes):
+                    if sweep > 0 and ws > _SWEEP_MAX:
+                        continue  # far beyond any cache: one sample suffices
                     start, n = _build_chain(arr, ws, stride, order, rng, fn is not None)
-                    _time_chase(fn, mv, start, min(n, 1_000_000 if fn else 100_000))  # warm
+                    _time_chase(fn, mv, start, min(n, 200_000 if fn else 100_000))  # warm
                     est = max(_time_chase(fn, mv, start, 2000) / 2000, 1e-10)
                     steps = int(min(max(target_seconds / est, 1000), 5e8 if fn else 2e6))
                     t = _time_chase(fn, mv, start, steps) / steps

@@ -13,6 +13,7 @@ MB/s = 10**6 bytes/s, GFLOP/s = 10**9 FLOP/s, ns, us.
 - ``created_utc`` (str): ISO-8601 UTC time the run finished.
 - ``quick`` (bool): whether ``--quick`` settings were used.
 - ``duration_s`` (float): wall time of the whole run, seconds.
+- ``group_seconds`` (dict): measurement group name -> its wall time, seconds.
 - ``platform`` (dict): ``python``, ``numpy`` versions (str), ``blas`` (str or null: BLAS
   library and version reported by threadpoolctl), ``hostname`` (str).
 - ``probe`` (dict): :class:`HardwareInfo` fields — ``system``, ``machine``, ``cpu_model``,
@@ -79,7 +80,7 @@ LITERATURE = {
 QUICK = dict(lat_max=64 * _MiB, lat_target=0.004, lat_repeats=2, bw_repeats=2, gemm_n=512,
              gemm_repeats=3, io_bytes=32 * _MiB, io_seconds=0.3, ic_rounds=500, ic_big=5,
              ic_msg=4 * _MiB)
-FULL = dict(lat_max=1 * _GiB, lat_target=0.02, lat_repeats=3, bw_repeats=5, gemm_n=2048,
+FULL = dict(lat_max=1 * _GiB, lat_target=0.01, lat_repeats=3, bw_repeats=5, gemm_n=1024,
             gemm_repeats=5, io_bytes=256 * _MiB, io_seconds=1.0, ic_rounds=2000, ic_big=20,
             ic_msg=16 * _MiB)
 
@@ -141,6 +142,7 @@ def run(quick: bool = False, storage_dir: str | None = None, progress: bool = Tr
     meas = {"memory_bandwidth": [], "memory_latency": None, "gemm": [], "storage": [],
             "interconnect": []}
     errors = {}
+    group_seconds = {}
     state = {"done": 0.0}
 
     def advance(group, frac):
@@ -154,6 +156,7 @@ def run(quick: bool = False, storage_dir: str | None = None, progress: bool = Tr
         state["base"] = state["done"]
         if bar is not None:
             bar.set_postfix_str(group)
+        t0 = time.perf_counter()
         if group in skip:
             errors[group] = "skipped"
         else:
@@ -161,6 +164,7 @@ def run(quick: bool = False, storage_dir: str | None = None, progress: bool = Tr
                 fn()
             except Exception as e:  # one failing group must not lose the others
                 errors[group] = f"{type(e).__name__}: {e}"
+        group_seconds[group] = time.perf_counter() - t0
         advance(group, 1.0)
 
     def bw():
@@ -214,12 +218,12 @@ def run(quick: bool = False, storage_dir: str | None = None, progress: bool = Tr
         roof = make_roof(peaks["float32"], bandwidth)
         best = max((m for m in meas["gemm"] if m["name"] == "gemm_fp32" and m["value"]),
                    key=lambda m: m["value"], default=None)
-        for m in [best] if best else []:
-                n = m["settings"]["n"]
-                flops = 2.0 * n**3
-                points.append({"name": f"GEMM fp32 n={n} {m['settings']['threads']}T",
-                               "flops": flops,
-                               "nbytes": 3.0 * n * n * 4, "seconds": flops / (m["value"] * 1e9)})
+        if best is not None:
+            n = best["settings"]["n"]
+            flops = 2.0 * n**3
+            points.append({"name": f"GEMM fp32 n={n} {best['settings']['threads']}T",
+                           "flops": flops, "nbytes": 3.0 * n * n * 4,
+                           "seconds": flops / (best["value"] * 1e9)})
         for m in meas["memory_bandwidth"]:
             if m["settings"]["threads"] == ncpu and m["name"] in ("stream_add", "stream_triad"):
                 ne = m["settings"]["elements"]
@@ -237,6 +241,7 @@ def run(quick: bool = False, storage_dir: str | None = None, progress: bool = Tr
         "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "quick": bool(quick),
         "duration_s": time.perf_counter() - t_start,
+        "group_seconds": group_seconds,
         "platform": _platform_info(),
         "probe": info.to_dict(),
         "measurements": meas,
