@@ -108,6 +108,9 @@ def split_and_load(data, devices, batch_axis=0, even_split=True):
         raise ValueError("devices: expected at least one device, got an empty list")
     if not isinstance(data, NDArray):
         data = np.asarray(data)
+    if not -data.ndim <= batch_axis < data.ndim:
+        raise ValueError(f"batch_axis: expected an axis of the {data.ndim}-d data, got {batch_axis}")
+    if not isinstance(data, NDArray):
         if len(devices) == 1:
             return [array(data, device=devices[0])]
         return [array(s, device=d) for s, d in zip(split_data(data, len(devices), batch_axis,

@@ -1,0 +1,413 @@
+"""Multi-device training: split_and_load, data parallel == single device, SyncBatchNorm ==
+BatchNorm on the whole batch, pipeline and tensor-parallel gradients == the unsplit model."""
+import numpy as np
+import pytest
+
+import hybridl as hl
+from hybridl import autograd, nn
+from hybridl.parallel import (ChannelParallelConv2D, ColumnParallelDense, Pipeline,
+                              RowParallelDense, split_and_load, transfer)
+from hybridl.parallel.pipeline import bubble_theory, schedule, split_stages
+
+
+def devs(k):
+    return [hl.cpu(i) for i in range(k)]
+
+
+# ============================================================================ split_and_load
+
+
+def test_split_and_load_numpy_and_ndarray():
+    x = np.arange(24, dtype=np.float32).reshape(6, 4)
+    for src in (x, hl.nd.array(x)):
+        parts = split_and_load(src, devs(3))
+        assert [p.device for p in parts] == devs(3)
+        np.testing.assert_array_equal(np.concatenate([p.asnumpy() for p in parts]), x)
+    parts = split_and_load(hl.nd.array(x), ["cpu:1", "cpu:0"], batch_axis=1)
+    assert [p.shape for p in parts] == [(6, 2), (6, 2)] and parts[0].device == hl.cpu(1)
+    np.testing.assert_array_equal(parts[1].asnumpy(), x[:, 2:])
+    parts = split_and_load(x[:5], devs(2), even_split=False)
+    assert [p.shape[0] for p in parts] == [3, 2]
+    assert split_and_load(x, [hl.cpu(2)])[0].device == hl.cpu(2)
+
+
+def test_split_and_load_errors():
+    x = np.zeros((5, 2))
+    with pytest.raises(ValueError, match="5 samples.*not split evenly over 2 devices"):
+        split_and_load(x, devs(2))
+    with pytest.raises(ValueError, match="5 samples.*not split evenly"):
+        split_and_load(hl.nd.array(x), devs(2))
+    with pytest.raises(ValueError, match="fewer than the 8 devices"):
+        split_and_load(x, devs(8), even_split=False)
+    with pytest.raises(ValueError, match="batch_axis"):
+        split_and_load(x, devs(1), batch_axis=2)
+    with pytest.raises(ValueError, match="at least one device"):
+        split_and_load(x, [])
+
+
+def test_transfer_gradient_comes_back_to_the_source_device():
+    x = hl.nd.array(np.arange(4.0, dtype=np.float32))
+    x.attach_grad()
+    with autograd.record():
+        a = (transfer(x, hl.cpu(1)) * 3).sum()
+        b = (transfer(x, hl.cpu(2)) * 2).sum()
+    autograd.backward([a, b])
+    assert x.grad.device == hl.cpu(0)
+    np.testing.assert_array_equal(x.grad.asnumpy(), [5, 5, 5, 5])
+
+
+# ============================================================================ data parallel
+
+
+def _mlp(devices, seed=0):
+    net = hl.models.mlp((32, 16), 5)
+    net.initialize(device=devices)
+    for d in devices:
+        net(hl.nd.zeros((2, 12), device=d))
+    rng = np.random.default_rng(seed)
+    for p in net.collect_params().values():
+        p.set_data(rng.standard_normal(p.shape).astype(np.float32) * 0.3)
+    return net
+
+
+def _train(devices, kvstore, steps=5, hybridize=False, wrapper=False):
+    net = _mlp(devices)
+    if hybridize:
+        net.hybridize()
+    tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
+                    kvstore=kvstore)
+    lf = hl.loss.SoftmaxCrossEntropyLoss()
+    rng = np.random.default_rng(1)
+    dp = hl.parallel.DataParallel(net, devices)
+    for _ in range(steps):
+        x = rng.standard_normal((16, 12)).astype(np.float32)
+        y = rng.integers(0, 5, 16)
+        if wrapper:
+            with autograd.record():
+                loss = lf(dp(hl.nd.array(x)), hl.nd.array(y))
+            loss.backward()
+        else:
+            xs, ys = split_and_load(x, devices), split_and_load(y, devices)
+            with autograd.record():
+                losses = [lf(net(a), b) for a, b in zip(xs, ys)]
+            autograd.backward(losses)
+        tr.step(16)
+    return net
+
+
+@pytest.fixture(scope="module")
+def single_device_reference():
+    net = _train([hl.cpu(0)], None)
+    return [p.data().asnumpy() for p in net.collect_params().values()]
+
+
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("kvstore", ["device", "local"])
+def test_data_parallel_equals_single_device(k, kvstore, single_device_reference):
+    net = _train(devs(k), kvstore, hybridize=(k == 2))
+    for p, ref in zip(net.collect_params().values(), single_device_reference):
+        copies = p.list_data()
+        assert [c.device for c in copies] == devs(k)
+        for c in copies:
+            np.testing.assert_allclose(c.asnumpy(), ref, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(copies[0].asnumpy(), copies[-1].asnumpy())
+
+
+def test_data_parallel_wrapper_equals_single_device(single_device_reference):
+    net = _train(devs(2), "device", wrapper=True)
+    for p, ref in zip(net.collect_params().values(), single_device_reference):
+        for c in p.list_data():
+            np.testing.assert_allclose(c.asnumpy(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_trainer_defaults_to_device_kvstore():
+    net = _mlp(devs(2))
+    tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+    with autograd.record():
+        losses = [net(hl.nd.ones((2, 12), device=d)).sum() for d in devs(2)]
+    autograd.backward(losses)
+    tr.step(4)
+    assert isinstance(tr._kv, hl.kv.KVStore) and tr._kv.type == "device"
+
+
+# ============================================================================ SyncBatchNorm
+
+
+def _bn_run(layer, devices, x, w):
+    layer.initialize(device=devices)
+    xs, ws = split_and_load(x, devices), split_and_load(w, devices)
+    for a in xs:
+        a.attach_grad()
+    with autograd.record():
+        ys = [layer(a) for a in xs]                       # one device after another
+        losses = [(y * c).sum() for y, c in zip(ys, ws)]
+    autograd.backward(losses)
+    y = np.concatenate([a.asnumpy() for a in ys])
+    dx = np.concatenate([a.grad.asnumpy() for a in xs])
+    dg = sum(g.asnumpy() for g in layer.gamma.list_grad())
+    db = sum(g.asnumpy() for g in layer.beta.list_grad())
+    rm = [a.asnumpy() for a in layer.running_mean.list_data()]
+    rv = [a.asnumpy() for a in layer.running_var.list_data()]
+    return y, dx, dg, db, rm, rv
+
+
+@pytest.mark.parametrize("k,shape", [(2, (8, 3, 4, 4)), (3, (6, 4, 3, 3)), (4, (8, 5))])
+def test_sync_batch_norm_equals_batch_norm_on_the_whole_batch(k, shape):
+    rng = np.random.default_rng(k)
+    x = (rng.standard_normal(shape) * 2 + 1).astype(np.float32)
+    x[: shape[0] // k] += 3.0                 # device 0's slice has other statistics
+    w = rng.standard_normal(shape).astype(np.float32)
+    ref = _bn_run(nn.BatchNorm(), [hl.cpu(0)], x, w)
+    sync = _bn_run(nn.SyncBatchNorm(), devs(k), x, w)
+    plain = _bn_run(nn.BatchNorm(), devs(k), x, w)
+    names = ["output", "input grad", "gamma grad", "beta grad"]
+    for name, r, s in zip(names, ref[:4], sync[:4]):
+        np.testing.assert_allclose(s, r, rtol=1e-4, atol=2e-5, err_msg=name)
+    for r_stat, s_stat in ((ref[4], sync[4]), (ref[5], sync[5])):
+        for copy in s_stat:                   # running statistics: every copy = the whole batch
+            np.testing.assert_allclose(copy, r_stat[0], rtol=1e-5, atol=1e-6)
+    # per-device BatchNorm differs (statistics of batch / k samples)
+    assert np.abs(plain[0] - ref[0]).max() > 1e-2
+    assert np.abs(plain[1] - ref[1]).max() > 1e-3
+    assert np.abs(plain[2] - ref[2]).max() > 1e-3
+
+
+def test_sync_batch_norm_in_a_network_over_steps():
+    """Two SyncBatchNorm layers, three training steps, replicas called in a frontend loop:
+    no deadlock, and the same parameters as BatchNorm on one device over the whole batch."""
+    def make(bn, devices):
+        net = nn.Sequential()
+        net.add(nn.Conv2D(4, 3, padding=1, in_channels=2), bn(), nn.Activation("relu"),
+                nn.Conv2D(3, 3, padding=1, in_channels=4), bn(), nn.Flatten(), nn.Dense(3))
+        net.initialize(hl.init.Xavier(), device=devices)
+        for d in devices:
+            with autograd.predict_mode():
+                net(hl.nd.zeros((1, 2, 4, 4), device=d))
+        rng = np.random.default_rng(0)
+        for p in net.collect_params().values():
+            if p.grad_req != "null":
+                p.set_data(rng.standard_normal(p.shape).astype(np.float32) * 0.5 + (
+                    1.0 if p.name.endswith("gamma") else 0.0))
+        return net
+
+    def train(bn, devices):
+        net = make(bn, devices)
+        tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.05, "momentum": 0.9})
+        lf = hl.loss.SoftmaxCrossEntropyLoss()
+        rng = np.random.default_rng(3)
+        for _ in range(3):
+            x = rng.standard_normal((8, 2, 4, 4)).astype(np.float32)
+            y = rng.integers(0, 3, 8)
+            xs, ys = split_and_load(x, devices), split_and_load(y, devices)
+            with autograd.record():
+                losses = []
+                for a, b in zip(xs, ys):
+                    losses.append(lf(net(a), b))
+            autograd.backward(losses)
+            tr.step(8)
+        return [p.data(devices[-1]).asnumpy() for p in net.collect_params().values()]
+
+    ref = train(nn.BatchNorm, [hl.cpu(0)])
+    got = train(nn.SyncBatchNorm, devs(2))
+    for r, g in zip(ref, got):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
+
+
+def test_sync_batch_norm_errors():
+    bn = nn.SyncBatchNorm()
+    bn.initialize(device=devs(2))
+    with autograd.record():
+        bn(hl.nd.ones((2, 3), device=hl.cpu(0)))
+        with pytest.raises(RuntimeError, match="twice"):
+            bn(hl.nd.ones((2, 3), device=hl.cpu(0)))
+        bn(hl.nd.ones((2, 3), device=hl.cpu(1)))           # completes the group
+    hl.waitall()
+    with autograd.predict_mode():                           # predict mode: running statistics
+        y = bn(hl.nd.ones((2, 3), device=hl.cpu(1)))
+    assert y.shape == (2, 3)
+    with hl.engine.set_engine("naive"):
+        with autograd.record(), pytest.raises(RuntimeError, match="threaded engine"):
+            bn(hl.nd.ones((2, 3)))
+
+
+# ============================================================================ pipeline
+
+
+def _layers():
+    return [nn.Dense(16, activation="relu", in_units=10), nn.Dense(12, activation="tanh", in_units=16),
+            nn.Dense(8, activation="relu", in_units=12), nn.Dense(5, in_units=8)]
+
+
+@pytest.fixture(scope="module")
+def unsplit():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((12, 10)).astype(np.float32)
+    y = rng.integers(0, 5, 12)
+    net = nn.HybridSequential()
+    net.add(*_layers())
+    net.initialize()
+    vals = [p.data().asnumpy() for p in net.collect_params().values()]
+    lf = hl.loss.SoftmaxCrossEntropyLoss()
+    with autograd.record():
+        loss = lf(net(hl.nd.array(x)), hl.nd.array(y))
+    loss.backward()
+    grads = [p.grad().asnumpy() for p in net.collect_params().values()]
+    return x, y, vals, grads, loss.asnumpy()
+
+
+@pytest.mark.parametrize("sched", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (3, 5)])
+def test_pipeline_gradients_equal_unsplit(sched, p, m, unsplit):
+    x, y, vals, grads, ref_loss = unsplit
+    groups = split_stages(_layers(), p, weights=[1, 1, 1, 1])
+    stages = []
+    for g in groups:
+        s = nn.HybridSequential()
+        s.add(*g)
+        stages.append(s)
+    pipe = Pipeline(stages, devs(p), m, sched)
+    pipe.initialize()
+    for prm, v in zip(pipe.collect_params().values(), vals):
+        prm.set_data(v)
+    pipe.hybridize()
+    lf = hl.loss.SoftmaxCrossEntropyLoss()
+    for _ in range(2):                       # gradients are zeroed per call, not accumulated
+        loss, out = pipe.forward_backward(x, y, lf, measure=True)
+    assert out.shape == (12, 5) and out.device == hl.cpu(p - 1)
+    np.testing.assert_allclose(loss.asnumpy(), ref_loss, rtol=1e-5, atol=1e-6)
+    for prm, g in zip(pipe.collect_params().values(), grads):
+        np.testing.assert_allclose(prm.grad(prm.list_device()[0]).asnumpy(), g, rtol=1e-5,
+                                   atol=1e-6)
+    st = pipe.last_stats
+    assert st["bubble_theory"] == pytest.approx((p - 1) / (m + p - 1))
+    assert 0.0 <= st["bubble_measured"] < 1.0
+    if sched == "1f1b":                      # activation memory bounded by p, not m
+        assert max(st["max_in_flight"]) <= min(p, m)
+    else:
+        assert max(st["max_in_flight"]) == m
+    np.testing.assert_allclose(pipe(x).asnumpy(), out.asnumpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_schedules_and_theory():
+    g = schedule(2, 3, "gpipe")
+    assert g[0] == [("F", 0), ("F", 1), ("F", 2), ("B", 2), ("B", 1), ("B", 0)]
+    f = schedule(3, 4, "1f1b")
+    assert f[0][:3] == [("F", 0), ("F", 1), ("F", 2)] and f[2][:2] == [("F", 0), ("B", 0)]
+    for seq in f:
+        assert sorted(seq) == sorted([("F", j) for j in range(4)] + [("B", j) for j in range(4)])
+    assert bubble_theory(4, 8) == pytest.approx(3 / 11)
+    with pytest.raises(ValueError, match="schedule"):
+        Pipeline([nn.Dense(2)], devs(1), 2, "zigzag")
+    with pytest.raises(ValueError, match="2 stages need 2 devices"):
+        Pipeline([nn.Dense(2), nn.Dense(2)], devs(1), 2)
+    with pytest.raises(ValueError, match="num_microbatches"):
+        Pipeline([nn.Dense(2)], devs(1), 0)
+
+
+# ============================================================================ tensor parallel
+
+
+def _compare(ref, par, x, load, shard_grads, k_out=None):
+    ref.initialize()
+    xr = hl.nd.array(x)
+    xr.attach_grad()
+    with autograd.record():
+        yr = ref(xr)
+        (yr * yr).sum().backward()
+    par.initialize()
+    load(par, ref)
+    xp = hl.nd.array(x)
+    xp.attach_grad()
+    with autograd.record():
+        yp = par(xp)
+        (yp * yp).sum().backward()
+    assert yp.device == hl.cpu(0)
+    np.testing.assert_allclose(yp.asnumpy(), yr.asnumpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(xp.grad.asnumpy(), xr.grad.asnumpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(shard_grads(par), ref.weight.grad().asnumpy(), rtol=1e-5, atol=1e-5)
+    return par
+
+
+def _full(par, axis):
+    for w in par._w:
+        assert w.list_device() == [w.home]
+    return np.concatenate([w.grad(w.home).asnumpy() for w in par._w], axis)
+
+
+def _load(par, ref):
+    par.load_full(ref.weight.data().asnumpy(), ref.bias.data().asnumpy())
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_column_parallel_dense(k):
+    x = np.random.default_rng(0).standard_normal((6, 10)).astype(np.float32)
+    par = _compare(nn.Dense(7, activation="tanh", in_units=10),
+                   ColumnParallelDense(7, devs(k), activation="tanh"), x, _load,
+                   lambda p: _full(p, 0))
+    assert [w.shape[0] for w in par._w] == [len(a) for a in np.array_split(range(7), k)]
+    # the bias gradients are shards of the unsplit one
+    assert sum(b.shape[0] for b in par._b) == 7
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_row_parallel_dense(k):
+    x = np.random.default_rng(1).standard_normal((6, 10)).astype(np.float32)
+    _compare(nn.Dense(7, activation="relu", in_units=10), RowParallelDense(7, devs(k), activation="relu"),
+             x, _load, lambda p: _full(p, 1))
+
+
+def test_channel_parallel_conv2d():
+    x = np.random.default_rng(2).standard_normal((2, 3, 6, 6)).astype(np.float32)
+    _compare(nn.Conv2D(5, 3, padding=1, activation="relu", in_channels=3),
+             ChannelParallelConv2D(5, 3, devs(2), padding=1, activation="relu"), x, _load,
+             lambda p: _full(p, 0))
+
+
+def test_megatron_mlp_block_equals_unsplit():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 6)).astype(np.float32)
+    d1, d2 = nn.Dense(8, activation="relu", in_units=6), nn.Dense(3, in_units=8)
+    d1.initialize()
+    d2.initialize()
+    col = ColumnParallelDense(8, devs(2), activation="relu", gather_output=False, in_units=6)
+    row = RowParallelDense(3, devs(2), input_is_parallel=True, in_units=8)
+    col.initialize()
+    row.initialize()
+    _load(col, d1)
+    _load(row, d2)
+    xr, xp = hl.nd.array(x), hl.nd.array(x)
+    xr.attach_grad()
+    xp.attach_grad()
+    with autograd.record():
+        yr = d2(d1(xr))
+        yr.sum().backward()
+        shards = col(xp)
+        yp = row(shards)
+        yp.sum().backward()
+    assert [s.device for s in shards] == devs(2)
+    np.testing.assert_allclose(yp.asnumpy(), yr.asnumpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(xp.grad.asnumpy(), xr.grad.asnumpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(_full(row, 1), d2.weight.grad().asnumpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_tensor_parallel_errors():
+    with pytest.raises(ValueError, match="units=1 cannot be split over 2 devices"):
+        ColumnParallelDense(1, devs(2))
+    with pytest.raises(ValueError, match="list of 2 shards"):
+        r = RowParallelDense(3, devs(2), input_is_parallel=True, in_units=4)
+        r.initialize()
+        r(hl.nd.ones((2, 4)))
+
+
+# ============================================================================ hybridl train
+
+
+@pytest.mark.parametrize("strategy", ["data", "pipeline", "tensor"])
+def test_train_cli_multi_device(strategy, capsys):
+    from hybridl.train_cli import main_train
+    rc = main_train(["--model", "mlp", "--devices", "cpu:0,cpu:1", "--strategy", strategy,
+                     "--epochs", "1", "--quiet", "--microbatches", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "epoch   1  loss" in out and "test acc" in out and "samples/s" in out
+    assert f"on 2 devices ({strategy})" in out
