@@ -228,7 +228,12 @@ def call_cached(block, args):
 def cache_info(block):
     """Hits, misses, miss reasons and number of cached programs of a hybridized block."""
     c = block.__dict__.get("_hcache")
-    return c.info() if c is not None else CacheInfo(hits=0, misses=0, reasons=[], programs=0)
+    if c is None:
+        return CacheInfo(hits=0, misses=0, reasons=[], programs=0)
+    info = c.info()
+    if block.__dict__.get("_cached") is None:      # cleared (hybridize() again, a new child)
+        info["programs"] = 0
+    return info
 
 
 class _JitFunction:
