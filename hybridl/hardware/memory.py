@@ -474,19 +474,24 @@ def detect_cache_levels(sizes, latencies_ns, min_jump: float = 1.5, min_points: 
 
 
 def compare_cache_levels(levels, probe_info) -> list:
-    """Pair each probed data/unified cache with the nearest detected ``"cache"`` knee.
+    """Pair each probed data/unified cache with a detected ``"cache"`` knee: in order of
+    level when there are as many knees as levels, else the nearest knee (in log size).
 
     Returns a list of ``{"level", "probed_bytes", "detected_bytes", "ratio"}`` (ratio =
     detected / probed; None when nothing was detected or the probe does not know the size).
     """
     if probe_info is None:
         return []
-    knees = [lv["size_bytes"] for lv in levels if lv.get("kind") == "cache"]
+    knees = sorted(lv["size_bytes"] for lv in levels if lv.get("kind") == "cache")
+    caches = sorted((c for c in probe_info.caches
+                     if c.type in ("Data", "Unified") and c.size_bytes and c.level),
+                    key=lambda c: c.level)
     out = []
-    for c in probe_info.caches:
-        if c.type not in ("Data", "Unified") or not c.size_bytes:
-            continue
-        det = min(knees, key=lambda k: abs(math.log(k / c.size_bytes))) if knees else None
+    for i, c in enumerate(caches):
+        if len(knees) == len(caches):  # one knee per level: pair them in order
+            det = knees[i]
+        else:
+            det = min(knees, key=lambda k: abs(math.log(k / c.size_bytes))) if knees else None
         out.append({"level": c.level, "probed_bytes": c.size_bytes, "detected_bytes": det,
                     "ratio": (det / c.size_bytes) if det else None,
                     "shared_by_cpus": c.shared_by_cpus})
