@@ -179,14 +179,18 @@ class _Cache:
         if e is not None:
             self.hits += 1
             return e
+        self.miss(_miss_reason(sig, list(self.entries)), owner, stacklevel=5)
+        return None
+
+    def miss(self, reason, owner, stacklevel=3):
+        """Count a miss with its reason; warn once after RETRACE_WARN misses."""
         self.misses += 1
-        self.reasons.append(_miss_reason(sig, list(self.entries)))
+        self.reasons.append(reason)
         if self.misses > RETRACE_WARN and not self.warned:
             self.warned = True
             warnings.warn(f"{owner} was retraced {self.misses} times; last reasons: "
                           f"{self.reasons[-3:]}. Keep input shapes fixed (e.g. last_batch="
-                          f"'discard'), or call it imperatively.", RuntimeWarning, stacklevel=4)
-        return None
+                          f"'discard'), or call it imperatively.", RuntimeWarning, stacklevel=stacklevel)
 
 
 def _run(entry, args):
@@ -252,10 +256,11 @@ class _JitFunction:
         sig = (_signature(args), tuple(sorted(static.items())))
         entry = self._cache.entries.get(sig)
         if entry is None:
-            self._cache.misses += 1
-            self._cache.reasons.append(_miss_reason(sig[0], [k[0] for k in self._cache.entries])
-                                       if not any(k[1] != sig[1] for k in self._cache.entries)
-                                       else f"static arguments {sig[1]}")
+            known = list(self._cache.entries)
+            same = [k[0] for k in known if k[1] == sig[1]]
+            reason = (_miss_reason(sig[0], same) if same or not known
+                      else f"static arguments {sig[1]}")
+            self._cache.miss(reason, self._fn.__name__)
             entry = _build(self._fn, args, self._fn.__name__, self._passes,
                            [s[3] for s in sig[0][0]], static)
             self._cache.entries[sig] = entry
