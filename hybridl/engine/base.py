@@ -23,6 +23,7 @@ import time
 import traceback
 
 _now = time.perf_counter
+_cpu = time.thread_time
 
 __all__ = ["Var", "OpError", "Engine"]
 
@@ -85,7 +86,7 @@ class _Op:
         self.done = False
         self.event = None
         self.pure = pure
-        self.cell = None            # threaded engine: [average run time] of the op's cost key
+        self.cell = None            # threaded engine: [average run time, runs] of the cost key
 
     def __lt__(self, other):            # heap order: higher priority first, then FIFO
         return (-self.priority, self.seq) < (-other.priority, other.seq)
@@ -219,10 +220,12 @@ class Engine:
         self._push_op(_Op(run_bulk, reads, writes, key, max(o.priority for o in ops),
                           f"bulk[{len(ops)}]", {"bulk": True}))
 
-    def _execute(self, op, clock=_now):
+    def _execute(self, op):
         """Run one op (in whatever thread the engine chose): error passing, profiling, and when
-        the op has a cost cell, the moving average of its run time (read with ``clock``) that
-        the threaded engine uses to run tiny ops inline."""
+        the op has a cost cell ``[average, runs]``, the moving average of its run time that the
+        threaded engine uses to run tiny ops inline. The run time is this thread's CPU time
+        (wall time would count waits for the GIL and, on a loaded machine, preemption); as that
+        clock is a system call (~1 us), only the first run and every 8th run are timed."""
         meta = op.meta
         if meta is not None and meta.get("bulk") is True:
             # A group: each member passes/stores its own errors; the group must neither skip
@@ -240,8 +243,13 @@ class Engine:
                 return None
         prof = self.profiler
         cell = op.cell
+        if cell is not None:
+            runs = cell[1]
+            cell[1] = runs + 1
+            if runs & 7 and cell[0] is not None:
+                cell = None                 # not timed this time
         t0 = _now() if prof is not None else 0.0
-        c0 = clock() if cell is not None else 0.0
+        c0 = _cpu() if cell is not None else 0.0
         try:
             op.fn()
         except BaseException as e:  # noqa: BLE001 - a user error must never kill a worker
@@ -255,11 +263,11 @@ class Engine:
                 prof.record(op.name, op.key, threading.current_thread().name, t0, t1, meta)
             return err
         if cell is not None:
-            dt = clock() - c0
+            dt = _cpu() - c0
             old = cell[0]
             if old is None:
                 cell[0] = dt
-            else:   # moving average; a sample is capped at 4x the average (preemption spikes)
+            else:   # moving average; a sample is capped at 4x the average (outliers)
                 cell[0] = old + 0.25 * ((dt if dt < 4.0 * old else 4.0 * old) - old)
         for w in op.writes:
             w.exc = None

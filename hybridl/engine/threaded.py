@@ -11,9 +11,8 @@ import heapq
 import itertools
 import os
 import threading
-import time
 
-from .base import Engine, _now
+from .base import Engine
 
 __all__ = ["ThreadedEngine"]
 
@@ -69,7 +68,7 @@ class ThreadedEngine(Engine):
         self._seq = itertools.count()
         self._stopping = False
         self._worker_ids = set()
-        self._cost = {}                # cost key -> [moving average of run time (s) or None]
+        self._cost = {}                # cost key -> [average run time (s) or None, runs]
         self.on_new_worker = None      # callback(total_worker_count), used for the thread budget
 
     # ------------------------------------------------------------------ scheduling
@@ -78,11 +77,12 @@ class ThreadedEngine(Engine):
         pure = op.pure
         if pure:
             key = op.name if pure is True else pure
-            cell = self._cost.get(key)
+            cost = self._cost
+            cell = cost.get(key)
             if cell is None:
-                if len(self._cost) >= 4096:          # very many shapes: forget, re-learn
-                    self._cost.clear()
-                cell = self._cost[key] = [None]
+                if len(cost) >= 4096:                # very many shapes: forget, re-learn
+                    cost.clear()
+                cell = cost[key] = [None, 0]
             op.cell = cell
         writes = op.writes
         with self._lock:
@@ -158,7 +158,6 @@ class ThreadedEngine(Engine):
 
     def _worker(self, q):
         lock = self._lock
-        thread_time = time.thread_time
         op = None
         while True:
             with lock:
@@ -178,14 +177,7 @@ class ThreadedEngine(Engine):
                     return
                 op = heapq.heappop(q.heap)
                 q.busy += 1
-            cell = op.cell
-            if cell is not None and (cell[0] is None or cell[0] < 20 * self.inline_s):
-                # A candidate for inlining: time it by this thread's CPU time, as its wall
-                # time here also counts waits for the GIL held by the frontend (clearly big
-                # ops skip the system call of the CPU clock).
-                self._execute(op, thread_time)
-            else:
-                self._execute(op)
+            self._execute(op)
 
     def _finish(self, op):                  # lock held
         op.done = True
