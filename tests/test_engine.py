@@ -1,0 +1,714 @@
+"""Tests of the dependency engine (hybridl.engine): sequential semantics of the threaded engine
+against the naive one on random programs (hypothesis), read/write ordering, concurrency of
+readers, error passing, clean interpreter exit, several frontend threads, bulking, engine
+switching and priorities.
+
+Engine-level tests run on their own ``ThreadedEngine`` instances so the global engine is not
+disturbed; NDArray-level tests use the global engine. Timing is only ever compared between
+events recorded inside ops (never wall-clock totals), except for the generous bound on how
+long a process takes to exit.
+"""
+import contextlib
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import hybridl as hl
+from hybridl.engine import NaiveEngine, OpError, ThreadedEngine, Var
+
+DEVS = [hl.cpu(i) for i in range(3)]
+MOD = 2 ** 61 - 1
+
+
+@pytest.fixture
+def eng():
+    e = ThreadedEngine()
+    yield e
+    e.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _clean_global_engine():
+    """Each test starts and ends with the default threaded engine and no pending error."""
+    with contextlib.suppress(OpError):
+        hl.waitall()
+    assert isinstance(hl.engine.get_engine(), ThreadedEngine)
+    yield
+    with contextlib.suppress(OpError):
+        hl.waitall()
+    assert isinstance(hl.engine.get_engine(), ThreadedEngine)
+
+
+# ============================================================================ property test
+
+@st.composite
+def programs(draw):
+    """A random program: Vars, ops (reads, writes, device, delay, priority, failure) and
+    sync points (``wait_for`` of a Var in the middle of the program)."""
+    nv = draw(st.integers(2, 5))
+    var = st.integers(0, nv - 1)
+    steps = draw(st.lists(st.one_of(
+        st.tuples(st.just("op"),
+                  st.lists(var, max_size=3),                       # reads (duplicates allowed)
+                  st.lists(var, max_size=3),                       # writes (duplicates allowed)
+                  st.integers(0, 2),                               # device cpu(i)
+                  st.sampled_from([0.0, 0.0, 0.0002, 0.0005, 0.001]),   # delay (s)
+                  st.integers(-2, 2),                              # priority
+                  st.integers(0, 11).map(lambda i: i == 0),        # fails (1 in 12)
+                  st.sampled_from([False, True, "key"])),          # pure (may run inline)
+        st.tuples(st.just("sync"), var)),
+        min_size=1, max_size=25))
+    return {"nv": nv, "steps": steps,
+            "num_workers": draw(st.integers(1, 2)),
+            "inline_s": draw(st.sampled_from([0.0, 50e-6, 2e-3])),
+            "bulk": draw(st.sampled_from([None, None, 1, 3, 8]))}
+
+
+def _make_fn(k, reads, writes, delay, fails, state, log):
+    def fn():
+        vals = tuple(state[r] for r in reads)          # read at the start...
+        log[k] = vals
+        if delay:
+            time.sleep(delay)                          # ... write at the end: races show up
+        if fails:
+            raise ValueError(f"op{k} failed on purpose")
+        for j, w in enumerate(writes):
+            state[w] = (k * 1_000_003 + 31 * j
+                        + sum((i + 7) * v for i, v in enumerate(vals))) % MOD
+    fn.__name__ = f"op{k}"
+    return fn
+
+
+def _run_program(engine, prog):
+    """Run ``prog`` on ``engine``; return (final state, read log, per-Var error op name, sync
+    values, number of errors raised at push/waitall)."""
+    nv = prog["nv"]
+    state = {i: 1000 + i for i in range(nv)}
+    log, syncs = {}, []
+    vs = [Var(f"v{i}") for i in range(nv)]
+    raised = 0
+    bulk = engine.bulk(prog["bulk"]) if prog["bulk"] else contextlib.nullcontext()
+    with bulk:
+        for k, step in enumerate(prog["steps"]):
+            if step[0] == "sync":
+                try:
+                    engine.wait_for(vs[step[1]])
+                    syncs.append((k, state[step[1]]))
+                except OpError as e:
+                    syncs.append((k, "error", e.op_name))
+                continue
+            _, reads, writes, dev, delay, prio, fails, pure = step
+            fn = _make_fn(k, reads, writes, delay, fails, state, log)
+            try:
+                engine.push(fn, [vs[r] for r in reads], [vs[w] for w in writes], DEVS[dev],
+                            priority=prio, name=f"op{k}", pure=(delay, dev) if pure == "key"
+                            else pure)
+            except OpError:
+                raised += 1                        # NaiveEngine: raised at the push
+    try:
+        engine.waitall()
+    except OpError:
+        raised += 1
+    errs = []
+    for v in vs:
+        try:
+            engine.wait_for(v)
+            errs.append(None)
+        except OpError as e:
+            errs.append(e.op_name)
+    return dict(state), dict(log), errs, syncs, raised
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(programs())
+def test_threaded_engine_matches_naive(prog):
+    expected = _run_program(NaiveEngine(), prog)
+    e = ThreadedEngine(num_workers=prog["num_workers"], inline_s=prog["inline_s"])
+    try:
+        _run_program(e, prog)                      # learns run times: later runs inline some
+        got = _run_program(e, prog)
+        assert e._pending == 0
+    finally:
+        e.shutdown()
+    state, log, errs, syncs, raised = got
+    assert state == expected[0]
+    assert log == expected[1]                     # every op read exactly what it should
+    assert errs == expected[2]
+    assert syncs == expected[3]
+    # the threaded engine raises at waitall() iff some op failed (the naive one at each push)
+    assert (raised > 0) == (expected[4] > 0)
+
+
+# ============================================================================ ordering
+
+def _stamp(events, key):
+    events[key] = time.perf_counter()
+
+
+def test_read_after_write(eng):
+    v, out = Var("v"), Var("out")
+    state, ev = {"v": 0, "out": None}, {}
+
+    def writer():
+        _stamp(ev, "w0")
+        time.sleep(0.05)
+        state["v"] = 42
+        _stamp(ev, "w1")
+
+    def reader():
+        _stamp(ev, "r0")
+        state["out"] = state["v"] + 1
+
+    eng.push(writer, [], [v], DEVS[0])
+    eng.push(reader, [v], [out], DEVS[1])          # another device: only the dependency orders
+    eng.wait_for(out)
+    assert state["out"] == 43
+    assert ev["r0"] >= ev["w1"]
+
+
+def test_write_after_read(eng):
+    v, out = Var("v"), Var("out")
+    state, ev = {"v": 7, "out": None}, {}
+
+    def reader():
+        _stamp(ev, "r0")
+        a = state["v"]
+        time.sleep(0.05)
+        state["out"] = (a, state["v"])              # value at start and at end of the read
+        _stamp(ev, "r1")
+
+    def writer():
+        _stamp(ev, "w0")
+        state["v"] = 99
+
+    eng.push(reader, [v], [out], DEVS[0])
+    eng.push(writer, [], [v], DEVS[1])
+    eng.waitall()
+    assert state["out"] == (7, 7)
+    assert state["v"] == 99
+    assert ev["w0"] >= ev["r1"]
+
+
+def test_write_after_write(eng):
+    v = Var("v")
+    state, ev = {"v": 0}, {}
+
+    def first():
+        _stamp(ev, "a0")
+        time.sleep(0.05)
+        state["v"] = 1
+        _stamp(ev, "a1")
+
+    def second():
+        _stamp(ev, "b0")
+        state["v"] = 2
+
+    eng.push(first, [], [v], DEVS[0])
+    eng.push(second, [], [v], DEVS[1])
+    eng.wait_for(v)
+    assert state["v"] == 2
+    assert ev["b0"] >= ev["a1"]
+
+
+def test_concurrent_readers_overlap(eng):
+    v, o1, o2 = Var("v"), Var("o1"), Var("o2")
+    state = {"v": 0}
+    ev = {}
+    both = threading.Barrier(2, timeout=10)        # passes only if the readers run together
+
+    def write():
+        state["v"] = 5
+
+    def make_reader(tag):
+        def read():
+            _stamp(ev, tag + "0")
+            both.wait()
+            time.sleep(0.05)
+            state[tag] = state["v"] * 2
+            _stamp(ev, tag + "1")
+        return read
+
+    eng.push(write, [], [v], DEVS[0])
+    eng.push(make_reader("a"), [v], [o1], DEVS[1])
+    eng.push(make_reader("b"), [v], [o2], DEVS[2])
+    eng.waitall()                                   # a broken barrier would raise OpError here
+    assert state["a"] == state["b"] == 10
+    assert max(ev["a0"], ev["b0"]) < min(ev["a1"], ev["b1"])    # the intervals overlap
+
+
+def test_op_waiting_inside_worker_is_an_error(eng):
+    v, w = Var("v"), Var("w")
+    gate = threading.Event()
+    eng.push(lambda: gate.wait(10), [], [v], DEVS[1])          # v stays pending
+    eng.push(lambda: eng.wait_for(v), [], [w], DEVS[0], name="waits_inside")
+    with pytest.raises(OpError) as ei:
+        eng.wait_for(w)
+    gate.set()
+    assert isinstance(ei.value.__cause__, RuntimeError)
+    assert "deadlock" in str(ei.value)
+    with pytest.raises(OpError):
+        eng.waitall()
+
+
+# ============================================================================ errors
+
+def _failing_op():
+    raise ZeroDivisionError("denominator is zero in the failing op")
+
+
+def test_error_stored_passed_on_and_raised(eng):
+    a, b, c = Var("a"), Var("b"), Var("c")
+    state = {"a": 1, "b": 0, "c": 0}
+    ran = []
+    eng.push(_failing_op, [], [a], DEVS[0], name="my_failing_op")
+
+    def consumer():
+        ran.append("consumer")
+        state["b"] = state["a"] + 1
+
+    eng.push(consumer, [a], [b], DEVS[1], name="consumer")
+
+    with pytest.raises(OpError) as ei:
+        eng.wait_for(a)
+    err = ei.value
+    assert err.op_name == "my_failing_op"
+    assert isinstance(err.__cause__, ZeroDivisionError)
+    assert err.original is err.__cause__
+    msg = str(err)
+    assert "'my_failing_op'" in msg
+    assert "denominator is zero in the failing op" in msg
+    assert "Traceback" in msg and "_failing_op" in msg and "test_engine.py" in msg
+
+    with pytest.raises(OpError) as ei2:             # the reader did not run, passed it on
+        eng.wait_for(b)
+    assert ei2.value is err
+    assert ran == [] and state["b"] == 0
+
+    with pytest.raises(OpError) as ei3:
+        eng.waitall()
+    assert ei3.value is err
+    eng.waitall()                                   # raised once: the next waitall is clean
+
+    # the engine works afterwards: a new write of `a` clears its error
+    def rewrite():
+        state["a"] = 10
+
+    eng.push(rewrite, [], [a], DEVS[0])
+    eng.push(consumer, [a], [b], DEVS[1])
+
+    def to_c():
+        state["c"] = state["b"] * 3
+
+    eng.push(to_c, [b], [c], DEVS[2])
+    eng.wait_for(c)
+    assert state == {"a": 10, "b": 11, "c": 33}
+    assert ran == ["consumer"]
+    eng.waitall()
+
+
+def test_naive_engine_raises_at_push():
+    e = NaiveEngine()
+    a, b = Var("a"), Var("b")
+    with pytest.raises(OpError) as ei:
+        e.push(_failing_op, [], [a], name="my_failing_op")
+    assert ei.value.op_name == "my_failing_op"
+    assert isinstance(ei.value.__cause__, ZeroDivisionError)
+    ran = []
+    e.push(lambda: ran.append(1), [a], [b], name="consumer")     # skipped, passes it on
+    assert ran == []
+    with pytest.raises(OpError) as ei2:
+        e.wait_for(b)
+    assert ei2.value is ei.value
+    e.waitall()                                      # already raised at the push
+    e.push(lambda: ran.append(2), [], [a])
+    e.wait_for(a)
+    assert ran == [2]
+
+
+def test_ndarray_take_error_at_sync_points_and_waitall():
+    x = hl.nd.array(np.arange(5.0))
+    bad = hl.nd.array(np.array([1, 7]))
+    y = hl.nd.take(x, bad, mode="raise")             # shape is fine: no error at the call
+    z = y * 2.0 + 1.0
+    with pytest.raises(hl.OpError) as ei:
+        z.wait_to_read()
+    assert ei.value.op_name == "take"
+    assert isinstance(ei.value.__cause__, IndexError)
+    assert "index out of range" in str(ei.value)
+    with pytest.raises(hl.OpError):
+        z.asnumpy()
+    with pytest.raises(hl.OpError):
+        y.asnumpy()
+    with pytest.raises(hl.OpError) as ei2:
+        hl.waitall()
+    assert ei2.value is ei.value
+    hl.waitall()
+    # afterwards new arrays compute fine, also from the same inputs
+    good = hl.nd.take(x, hl.nd.array(np.array([4, 0])), mode="raise")
+    np.testing.assert_array_equal((good * 2.0 + 1.0).asnumpy(), [9.0, 1.0])
+    np.testing.assert_array_equal((x + 1.0).asnumpy(), np.arange(5.0) + 1)
+    hl.waitall()
+
+
+def test_ndarray_error_only_at_waitall():
+    x = hl.nd.array(np.arange(3.0))
+    hl.nd.take(x, hl.nd.array(np.array([-9])), mode="raise")     # never read
+    with pytest.raises(hl.OpError) as ei:
+        hl.waitall()
+    assert isinstance(ei.value.__cause__, IndexError)
+
+
+def test_naive_engine_ndarray_error_at_the_line():
+    prev = hl.engine.get_engine()
+    x = hl.nd.array(np.arange(5.0))
+    with hl.engine.set_engine("naive") as e:
+        assert isinstance(e, NaiveEngine) and hl.engine.get_engine() is e
+        with pytest.raises(hl.OpError) as ei:
+            hl.nd.take(x, hl.nd.array(np.array([9])), mode="raise")
+        assert isinstance(ei.value.__cause__, IndexError)
+        np.testing.assert_array_equal((x * 3.0).asnumpy(), np.arange(5.0) * 3)
+    assert hl.engine.get_engine() is prev
+
+
+# ============================================================================ process exit
+
+def test_exit_with_pending_work_is_clean():
+    code = textwrap.dedent("""
+        import os, hybridl as hl
+        x = hl.nd.ones((1500, 1500), dtype="float64")
+        y = x
+        for _ in range(50):
+            y = hl.nd.dot(x, y) * 1e-3
+            # one byte per finished matmul, written with os.write (no buffered-stdout lock
+            # shared with the exiting main thread)
+            hl.engine.push(lambda: os.write(1, b"."), [y._var], [], y.device, name="mark")
+        os.write(1, b"pushed\\n")
+    """)
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120,
+                       env={**os.environ, "HYBRIDL_ENGINE": "threaded"})
+    elapsed = time.perf_counter() - t0
+    out = r.stdout.decode()
+    assert r.returncode == 0, r.stderr.decode()
+    assert "pushed" in out
+    assert "Fatal Python error" not in r.stderr.decode()
+    assert out.count(".") < 50, "the process ran all the work before exiting"
+    assert elapsed < 20.0
+
+
+# ============================================================================ frontend threads
+
+def test_four_frontend_threads():
+    rng = np.random.default_rng(0)
+    shared_np = rng.integers(-3, 4, size=(16, 16)).astype(np.float64)
+    shared = hl.nd.array(shared_np)
+    acc = hl.nd.zeros((16, 16), dtype="float64")
+    acc_lock = threading.Lock()      # `acc += r` reads then writes acc's handle in the frontend
+    results, errors = {}, []
+
+    def work(t):
+        try:
+            dev = hl.cpu(t % 3)
+            p_np = rng_t = np.random.default_rng(t).integers(-2, 3, size=(16, 16)).astype(np.float64)
+            p = hl.nd.array(p_np, device=dev)
+            s = shared.copyto(dev)
+            ref = p_np.copy()
+            for i in range(30):
+                p = hl.nd.relu(p @ s * 0.5 + float(i)) - s
+                ref = np.maximum(ref @ shared_np * 0.5 + float(i), 0) - shared_np
+                p = p / (hl.nd.abs(p).max() + 1.0)
+                ref = ref / (np.abs(ref).max() + 1.0)
+            priv = hl.nd.zeros((16, 16), dtype="float64", device=dev)
+            for i in range(20):
+                priv += s * float(t + i)
+            ones = hl.nd.ones((16, 16), dtype="float64")
+            with acc_lock:
+                acc[...] = acc + ones * float(t + 1)
+            results[t] = (p.asnumpy(), ref, priv.asnumpy(), rng_t)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not errors, errors
+    for t in range(4):
+        got, ref, priv, _ = results[t]
+        np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12)
+        np.testing.assert_array_equal(priv, shared_np * sum(t + i for i in range(20)))
+    np.testing.assert_array_equal(acc.asnumpy(), np.full((16, 16), 1.0 + 2 + 3 + 4))
+    np.testing.assert_array_equal(shared.asnumpy(), shared_np)     # never written
+
+
+def test_four_threads_on_one_engine_instance(eng):
+    state = {i: 0 for i in range(4)}
+    shared = Var("shared")
+    shared_val = {"v": 3}
+    vs = [Var(f"p{i}") for i in range(4)]
+
+    def work(t):
+        for i in range(200):
+            def step(t=t, i=i):
+                state[t] = (state[t] * shared_val["v"] + i) % 1_000_003
+            eng.push(step, [shared], [vs[t]], DEVS[t % 3])
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    eng.waitall()
+    ref = 0
+    for i in range(200):
+        ref = (ref * 3 + i) % 1_000_003
+    assert state == {i: ref for i in range(4)}
+
+
+# ============================================================================ inline execution
+
+def test_tiny_pure_ops_run_inline_big_ones_on_the_worker():
+    e = ThreadedEngine(inline_s=1e-3)
+    try:
+        v, big = Var("v"), Var("big")
+        where = []
+        state = {"v": 0}
+
+        def tiny():
+            where.append(threading.current_thread().name)
+            state["v"] += 1
+
+        def slow():
+            where.append(threading.current_thread().name)
+            time.sleep(0.02)                        # a slow, non-CPU op: never inline
+            while time.thread_time() - t0 < 0.005:  # ... and 5 ms of CPU
+                pass
+
+        t0 = time.thread_time()
+        e.push(tiny, [v], [v], DEVS[0], name="tiny", pure=True)      # unknown: worker
+        e.waitall()
+        for _ in range(5):
+            e.push(tiny, [v], [v], DEVS[0], name="tiny", pure=True)
+            assert where[-1] == threading.current_thread().name        # ran before push returned
+        e.push(tiny, [v], [v], DEVS[0], name="tiny")                  # not pure: worker
+        e.waitall()
+        assert state["v"] == 7
+        assert where[0].startswith("hybridl-") and where[-1].startswith("hybridl-")
+
+        def slow_timed():
+            nonlocal t0
+            t0 = time.thread_time()
+            slow()
+
+        for _ in range(2):
+            e.push(slow_timed, [], [big], DEVS[0], name="slow", pure=True)
+            e.waitall()
+            assert where[-1].startswith("hybridl-")
+        # a tiny op pushed while the device is busy queues behind (and after) it
+        gate = threading.Event()
+        e.push(lambda: gate.wait(10), [], [Var()], DEVS[0])
+        e.push(tiny, [v], [v], DEVS[0], name="tiny", pure=True)
+        assert state["v"] == 7
+        gate.set()
+        e.wait_for(v)
+        assert state["v"] == 8 and where[-1].startswith("hybridl-")
+    finally:
+        e.shutdown()
+
+
+def test_inline_op_error_is_stored_not_raised():
+    e = ThreadedEngine(inline_s=1.0)
+    try:
+        v, w = Var("v"), Var("w")
+        flag = {"fail": False}
+
+        def maybe_fail():
+            if flag["fail"]:
+                raise KeyError("inline failure")
+
+        e.push(maybe_fail, [], [v], DEVS[0], name="maybe_fail", pure=True)
+        e.waitall()
+        flag["fail"] = True
+        e.push(maybe_fail, [], [v], DEVS[0], name="maybe_fail", pure=True)    # inline, fails
+        e.push(lambda: None, [v], [w], DEVS[0], name="after", pure=True)
+        with pytest.raises(OpError) as ei:
+            e.wait_for(w)
+        assert ei.value.op_name == "maybe_fail" and isinstance(ei.value.__cause__, KeyError)
+        with pytest.raises(OpError):
+            e.waitall()
+    finally:
+        e.shutdown()
+
+
+def test_help_while_waiting_runs_queued_tiny_ops():
+    e = ThreadedEngine(inline_s=1e-3)
+    try:
+        v = Var("v")
+        state = {"v": 0}
+
+        def inc():
+            state["v"] += 1
+
+        e.push(inc, [v], [v], DEVS[0], name="inc", pure=True)
+        e.waitall()
+        started, gate = threading.Event(), threading.Event()
+        e.push(lambda: (started.set(), gate.wait(10)), [], [Var("other")], DEVS[0])
+        assert started.wait(10)                     # the worker is busy
+        for _ in range(10):
+            e.push(inc, [v], [v], DEVS[0], name="inc", pure=True)      # queued
+        threading.Timer(0.5, gate.set).start()
+        e.wait_for(v)                               # runs the 10 queued incs itself
+        assert state["v"] == 11
+        assert not gate.is_set()                    # ... before the worker came back
+        gate.set()
+        e.waitall()
+    finally:
+        e.shutdown()
+
+
+# ============================================================================ bulk
+
+def _chain(x, w):
+    y = x
+    for i in range(30):
+        y = hl.nd.tanh(y @ w + float(i) * 0.01) * 1.5
+    return y
+
+
+def test_bulk_results_identical():
+    rng = np.random.default_rng(1)
+    x = hl.nd.array(rng.standard_normal((4, 8)))
+    w = hl.nd.array(rng.standard_normal((8, 8)) * 0.3)
+    ref = _chain(x, w).asnumpy()
+    with hl.engine.bulk(8):
+        y = _chain(x, w)
+        z = y + 1.0
+    np.testing.assert_array_equal(y.asnumpy(), ref)
+    np.testing.assert_array_equal(z.asnumpy(), ref + 1.0)
+    with hl.engine.bulk(8):
+        y2 = _chain(x, w)
+        np.testing.assert_array_equal(y2.asnumpy(), ref)     # a sync point inside a bulk
+    hl.waitall()
+
+
+def test_bulk_error_surfaces_and_independent_ops_still_run():
+    x = hl.nd.array(np.arange(6.0))
+    with hl.engine.bulk(8):
+        a = x * 2.0
+        bad = hl.nd.take(x, hl.nd.array(np.array([10])), mode="raise")
+        c = bad + 1.0
+        d = a + 1.0                                 # independent of the failure
+    with pytest.raises(hl.OpError) as ei:
+        c.asnumpy()
+    assert ei.value.op_name == "take" and isinstance(ei.value.__cause__, IndexError)
+    with pytest.raises(hl.OpError):
+        bad.wait_to_read()
+    np.testing.assert_array_equal(d.asnumpy(), np.arange(6.0) * 2 + 1)
+    with pytest.raises(hl.OpError):
+        hl.waitall()
+    np.testing.assert_array_equal((x + 1.0).asnumpy(), np.arange(6.0) + 1)
+
+
+def test_bulk_on_engine_instance_groups_ops(eng):
+    calls = []
+
+    class Prof:
+        def record(self, name, key, thread, t0, t1, meta):
+            calls.append(name)
+
+    eng.profiler = Prof()
+    v = Var("v")
+    state = {"v": 0}
+
+    def inc():
+        state["v"] += 1
+
+    with eng.bulk(8):
+        for _ in range(20):
+            eng.push(inc, [v], [v], DEVS[0], name="inc")
+    eng.waitall()
+    assert state["v"] == 20
+    assert calls.count("inc") == 20
+    assert sorted(n for n in calls if n.startswith("bulk")) == ["bulk[4]", "bulk[8]", "bulk[8]"]
+    with pytest.raises(ValueError):
+        eng.bulk(0)
+
+
+# ============================================================================ engine choice
+
+def test_set_engine_context_manager_restores():
+    prev = hl.engine.get_engine()
+    with hl.engine.set_engine("naive"):
+        assert isinstance(hl.engine.get_engine(), NaiveEngine)
+        y = hl.nd.array([1.0, 2.0]) * 3.0
+        np.testing.assert_array_equal(y.asnumpy(), [3.0, 6.0])
+    assert hl.engine.get_engine() is prev
+    with pytest.raises(ValueError):
+        hl.engine.set_engine("nope")
+    assert hl.engine.get_engine() is prev
+
+
+def test_set_engine_with_pending_error_does_not_switch():
+    prev = hl.engine.get_engine()
+    hl.nd.take(hl.nd.array([1.0]), hl.nd.array(np.array([3])), mode="raise")
+    with pytest.raises(hl.OpError):
+        with hl.engine.set_engine("naive"):
+            pytest.fail("the body must not run")
+    assert hl.engine.get_engine() is prev
+
+
+def test_env_var_selects_naive_engine():
+    code = ("import hybridl as hl, numpy as np; e = hl.engine.get_engine(); "
+            "y = hl.nd.array([1.0, 2.0]) + 1.0; print(type(e).__name__, y.asnumpy().tolist())")
+    for env, name in (("naive", "NaiveEngine"), ("threaded", "ThreadedEngine")):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=60, env={**os.environ, "HYBRIDL_ENGINE": env})
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == f"{name} [2.0, 3.0]"
+
+
+# ============================================================================ priority
+
+def test_priority_high_op_overtakes_queued_low_ops():
+    e = ThreadedEngine(num_workers=1)
+    try:
+        started, gate = threading.Event(), threading.Event()
+        order = []
+
+        def blocker():
+            started.set()
+            assert gate.wait(10)
+
+        e.push(blocker, [], [Var("block")], DEVS[0], name="blocker")
+        assert started.wait(10)                     # the only worker is busy now
+        for i in range(10):
+            e.push(lambda i=i: order.append(f"low{i}"), [], [Var()], DEVS[0], priority=0)
+        e.push(lambda: order.append("high"), [], [Var()], DEVS[0], priority=5)
+        gate.set()
+        e.waitall()
+        assert order == ["high"] + [f"low{i}" for i in range(10)]
+    finally:
+        e.shutdown()
+
+
+def test_priority_does_not_break_dependencies(eng):
+    v = Var("v")
+    state = {"v": []}
+    started, gate = threading.Event(), threading.Event()
+    eng.push(lambda: (started.set(), gate.wait(10)), [], [Var()], DEVS[0])
+    assert started.wait(10)
+    eng.push(lambda: state["v"].append("first"), [], [v], DEVS[0], priority=-5)
+    eng.push(lambda: state["v"].append("second"), [v], [v], DEVS[0], priority=5)
+    gate.set()
+    eng.waitall()
+    assert state["v"] == ["first", "second"]
