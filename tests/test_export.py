@@ -1,0 +1,226 @@
+"""Export (graph JSON + safetensors) and SymbolBlock.imports: round trip in a fresh process that
+imports only hybridl (never the model code), and clear errors for corrupt files."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import hybridl as hl
+from hybridl import nd
+from hybridl import nn
+
+
+def _randomize(net, x):
+    net(nd.array(x))
+    rng = np.random.default_rng(0)
+    for n, p in sorted(net.collect_params().items()):
+        v = rng.uniform(0.5, 1.5, p.shape) if n.endswith("running_var") else rng.standard_normal(p.shape) * 0.3
+        p.set_data(v.astype(np.float32))
+
+
+class TwoHeads(nn.HybridBlock):
+    """Two inputs, two outputs, a constant and a parameter-free op (for the round trip)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Dense(6, activation="tanh")
+        self.out = nn.Dense(3)
+
+    def forward(self, x, z):
+        h = self.fc(x) * np.linspace(0.5, 1.5, 6, dtype=np.float32) + nd.sum(z, axis=1, keepdims=True)
+        return self.out(h), nd.softmax(h)
+
+
+def _fresh_process(code, tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(code))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(hl.__file__))] +
+                                        ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                       cwd=str(tmp_path), env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+CHILD = """
+    import sys
+    import numpy as np
+    import hybridl as hl
+    blk = hl.nn.SymbolBlock.imports({sym!r}, {names!r})
+    xs = [hl.nd.array(np.load(f"x{{i}}.npy")) for i in range({n_in})]
+    for mode in ("eager", "hybrid"):
+        if mode == "hybrid":
+            blk.hybridize()
+        out = blk(*xs)
+        out = out if isinstance(out, tuple) else (out,)
+        for k, o in enumerate(out):
+            np.save(f"{{mode}}_y{{k}}.npy", o.asnumpy())
+    assert blk.cache_info().programs == 1
+    assert "hybridl.models" not in sys.modules, "the model code was imported"
+    assert "test_export" not in sys.modules
+    print("ok", len(out))
+"""
+
+
+@pytest.mark.parametrize("which", ["resnet18", "inception", "two_heads"])
+def test_export_round_trip_in_a_fresh_process(which, tmp_path):
+    rng = np.random.default_rng(1)
+    if which == "resnet18":
+        net = hl.models.resnet18(width=8)
+        xs = [rng.standard_normal((2, 3, 16, 16)).astype(np.float32)]
+    elif which == "inception":
+        net = hl.models.inception_net(width=4)
+        xs = [rng.standard_normal((2, 3, 8, 8)).astype(np.float32)]
+    else:
+        net = TwoHeads()
+        xs = [rng.standard_normal((4, 5)).astype(np.float32), rng.standard_normal((4, 2)).astype(np.float32)]
+    net.initialize()
+    with hl.autograd.pause():
+        net(*[nd.array(x) for x in xs])
+    _randomize(net, xs[0]) if which != "two_heads" else None
+    net.hybridize()
+    want = net(*[nd.array(x) for x in xs])
+    want = [w.asnumpy() for w in (want if isinstance(want, tuple) else (want,))]
+    prefix = str(tmp_path / which)
+    sym_file, param_file = net.export(prefix)               # shapes of the last call
+    assert sym_file == prefix + "-symbol.json" and param_file == prefix + ".safetensors"
+    doc = json.loads(open(sym_file).read())
+    assert doc["format"] == "hybridl-graph" and doc["version"] == 1
+    assert [i["shape"] for i in doc["inputs"]] == [list(x.shape) for x in xs]
+    assert len(doc["params"]) == len(net.collect_params())
+    for i, x in enumerate(xs):
+        np.save(tmp_path / f"x{i}.npy", x)
+    names = [i["name"] for i in doc["inputs"]]
+    out = _fresh_process(CHILD.format(sym=sym_file, names=names, n_in=len(xs)), tmp_path)
+    assert out.strip() == f"ok {len(want)}"
+    for mode in ("eager", "hybrid"):
+        for k, w in enumerate(want):
+            got = np.load(tmp_path / f"{mode}_y{k}.npy")
+            assert got.shape == w.shape and got.dtype == w.dtype
+            np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6)
+    # in this process too, and with explicit example inputs
+    blk = hl.nn.SymbolBlock.imports(sym_file, names, param_file)
+    got = blk(*[nd.array(x) for x in xs])
+    got = got if isinstance(got, tuple) else (got,)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.asnumpy(), w, rtol=1e-5, atol=1e-6)
+
+
+def test_export_with_example_inputs_and_predict_mode(tmp_path):
+    net = nn.HybridSequential()
+    net.add(nn.Dense(8, activation="relu"), nn.Dropout(0.5), nn.BatchNorm(), nn.Dense(2))
+    net.initialize()
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    _randomize(net, x)
+    with pytest.raises(RuntimeError, match="example inputs"):
+        net.export(str(tmp_path / "never_called"))
+    sym_file, _ = net.export(str(tmp_path / "m"), nd.array(x))
+    doc = json.loads(open(sym_file).read())
+    ops = {n.get("op") for n in doc["nodes"]}
+    assert "dropout" not in ops and "batch_norm_train" not in ops   # the predict-mode graph
+    blk = hl.nn.SymbolBlock.imports(sym_file)
+    np.testing.assert_allclose(blk(nd.array(x)).asnumpy(), net(nd.array(x)).asnumpy(), rtol=1e-6)
+    with pytest.raises(ValueError, match="exported shape"):
+        blk(nd.ones((5, 4)))
+    with pytest.raises(ValueError, match="input_names"):
+        hl.nn.SymbolBlock.imports(sym_file, ["a", "b"])
+
+
+# ---------------------------------------------------------------------------- corrupt files
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    d = tmp_path_factory.mktemp("exp")
+    net = nn.HybridSequential()
+    net.add(nn.Dense(4, activation="relu"), nn.Dense(2))
+    net.initialize()
+    x = nd.ones((2, 3))
+    sym, par = net.export(str(d / "net"), x)
+    return d, open(sym).read(), open(par, "rb").read()
+
+
+def _write(d, name, sym_text, par_bytes):
+    s, p = d / f"{name}-symbol.json", d / f"{name}.safetensors"
+    s.write_text(sym_text)
+    p.write_bytes(par_bytes)
+    return str(s), str(p)
+
+
+def test_corrupt_symbol_files(exported):
+    d, sym, par = exported
+    s, _ = _write(d, "ok", sym, par)
+    assert hl.nn.SymbolBlock.imports(s)(nd.ones((2, 3))).shape == (2, 2)
+    s, _ = _write(d, "trunc", sym[: len(sym) // 2], par)
+    with pytest.raises(ValueError, match="not valid JSON") as ei:
+        hl.nn.SymbolBlock.imports(s)
+    assert "trunc-symbol.json" in str(ei.value)
+    s, _ = _write(d, "garbage", "\x00\x01 not json", par)
+    with pytest.raises(ValueError, match="not valid JSON"):
+        hl.nn.SymbolBlock.imports(s)
+    doc = json.loads(sym)
+    bad = dict(doc, format="onnx")
+    s, _ = _write(d, "fmt", json.dumps(bad), par)
+    with pytest.raises(ValueError, match="not a hybridl graph"):
+        hl.nn.SymbolBlock.imports(s)
+    s, _ = _write(d, "list", json.dumps([1, 2]), par)
+    with pytest.raises(ValueError, match="not a hybridl graph"):
+        hl.nn.SymbolBlock.imports(s)
+    s, _ = _write(d, "ver", json.dumps(dict(doc, version=99)), par)
+    with pytest.raises(ValueError, match="version 99"):
+        hl.nn.SymbolBlock.imports(s)
+    bad = json.loads(sym)
+    next(n for n in bad["nodes"] if n["kind"] == "op")["op"] = "launch_missiles"
+    s, _ = _write(d, "unknown", json.dumps(bad), par)
+    with pytest.raises(ValueError, match="unknown op 'launch_missiles'"):
+        hl.nn.SymbolBlock.imports(s)
+    bad = json.loads(sym)
+    del bad["nodes"]
+    s, _ = _write(d, "nonodes", json.dumps(bad), par)
+    with pytest.raises(ValueError, match="malformed"):
+        hl.nn.SymbolBlock.imports(s)
+    bad = json.loads(sym)
+    bad["outputs"] = [[123456789, 0]]
+    s, _ = _write(d, "dangling", json.dumps(bad), par)
+    with pytest.raises(ValueError, match="unknown node 123456789"):
+        hl.nn.SymbolBlock.imports(s)
+    with pytest.raises(FileNotFoundError, match="symbol_file"):
+        hl.nn.SymbolBlock.imports(str(d / "absent-symbol.json"))
+
+
+def test_corrupt_param_files(exported):
+    from safetensors.numpy import load_file, save_file
+    d, sym, par = exported
+    good = str(d / "net.safetensors")
+    tensors = load_file(good)
+    doc = json.loads(sym)
+    pname = doc["params"][0]["name"]
+    s, p = _write(d, "missing", sym, par)
+    save_file({k: v for k, v in tensors.items() if k != pname}, p)
+    with pytest.raises(ValueError, match=f"lacks parameter '{pname}'"):
+        hl.nn.SymbolBlock.imports(s)
+    s, p = _write(d, "shape", sym, par)
+    save_file(dict(tensors, **{pname: np.zeros((7, 7), np.float32)}), p)
+    with pytest.raises(ValueError, match=rf"'{pname}' has shape \[7, 7\]"):
+        hl.nn.SymbolBlock.imports(s)
+    s, p = _write(d, "notst", sym, b"this is not a safetensors file at all")
+    with pytest.raises(ValueError, match="not a valid safetensors file"):
+        hl.nn.SymbolBlock.imports(s)
+    s, p = _write(d, "pickle", sym, par)
+    import pickle
+    with open(p, "wb") as f:
+        pickle.dump({pname: np.zeros(3)}, f)
+    with pytest.raises(ValueError, match="not a valid safetensors file"):
+        hl.nn.SymbolBlock.imports(s)
+    s, p = _write(d, "truncp", sym, par[: len(par) // 2])
+    with pytest.raises(ValueError, match="not a valid safetensors file"):
+        hl.nn.SymbolBlock.imports(s)
+    s, p = _write(d, "nop", sym, par)
+    os.remove(p)
+    with pytest.raises(FileNotFoundError, match="param_file"):
+        hl.nn.SymbolBlock.imports(s)
