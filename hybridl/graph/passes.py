@@ -374,6 +374,7 @@ def plan_memory(graph):
 
     free = []               # (nbytes, buffer index)
     live = []               # (end position, buffer index, key)
+    alias = {}              # value key -> planned buffers it may be (a view of)
     for i, n in enumerate(nodes):
         if n.kind != "op":
             continue
@@ -389,6 +390,10 @@ def plan_memory(graph):
                 still.append((e, b, k))
         live = still
         if not plannable(n) or n.outputs()[0].key() in escapes:
+            if not plannable(n):        # may return views: its outputs alias its inputs' buffers
+                bufs = set().union(*(alias.get(s.key(), ()) for s in n.inputs))
+                for o in n.outputs():
+                    alias[o.key()] = bufs
             if n.op.name not in _VIEW_OPS:
                 plan.planned_bytes += sum(int(np.prod(s)) * d.itemsize for s, d in n.specs)
             continue
@@ -400,12 +405,17 @@ def plan_memory(graph):
             for s in n.inputs:
                 k = s.key()
                 if (k in plan.assign and end.get(k) == i and tuple(s.shape) == tuple(shape)
-                        and s.dtype == dt):
+                        and s.dtype == dt
+                        # no other input reads the same buffer through a view (x + x.T):
+                        # writing into it would change what is still to be read
+                        and not any(plan.assign[k] in alias.get(t.key(), ())
+                                    for t in n.inputs if t.key() != k)):
                     b = plan.assign[k]
                     live = [x for x in live if x[2] != k]
                     plan.assign[key] = b
                     plan.inplace.add(key)
                     live.append((end.get(key, i), b, key))
+                    alias[key] = {b}
                     break
             if key in plan.assign:
                 continue
@@ -418,6 +428,7 @@ def plan_memory(graph):
             plan.buffers.append(need)
         plan.assign[key] = b
         live.append((end.get(key, i), b, key))
+        alias[key] = {b}
     plan.planned_bytes += sum(plan.buffers)
     g = Graph(graph.inputs, graph.outputs)
     g.memory_plan = plan
