@@ -525,3 +525,25 @@ def test_unknown_pass_name():
     x = hl.sym.var("x", shape=(2,))
     with pytest.raises(ValueError, match="unknown pass 'nope'"):
         hl.compile(x + 1.0, passes=["nope"])
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_plan_memory_no_in_place_write_over_a_view_still_read(fuse):
+    """b + b.T: b dies at the add, but writing the sum into b's buffer while reading b through
+    a transposed view corrupts the result (numexpr evaluates block by block)."""
+    old = hl.graph.fusion_threshold()
+    hl.graph.set_fusion_threshold(0 if fuse else 1 << 30)
+    try:
+        n = 128
+        x = hl.sym.var("x", shape=(n, n))
+        b = nd.tanh(x) * 2.0
+        out = nd.sum(nd.exp((b + nd.transpose(b)) * 0.5), axis=0)
+        xv = np.random.default_rng(0).standard_normal((n, n)).astype(np.float32)
+        prog = hl.compile(out)
+        assert (prog.graph.count("fused_elementwise") > 0) == fuse
+        bv = np.tanh(xv) * 2
+        want = np.exp((bv + bv.T) * 0.5).sum(axis=0)
+        np.testing.assert_allclose(prog(xv).asnumpy(), want, rtol=1e-5)
+        np.testing.assert_allclose(prog(xv).asnumpy(), want, rtol=1e-5)
+    finally:
+        hl.graph.set_fusion_threshold(old)
