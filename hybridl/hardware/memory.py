@@ -19,7 +19,8 @@ _KiB, _MiB, _GiB = 1024, 1024**2, 1024**3
 _DEFAULT_LLC = 32 * _MiB  # assumed when the probe does not know the last-level cache
 _TRIAD_CHUNK = 32768      # elements; the triad's temporary stays in L2
 _SWEEP_MAX = 64 * _MiB    # larger working sets are swept once (they are DRAM-bound anyway)
-_HUGE = 2 * 1024 * 1024   # transparent huge page size on x86-64 / most arm64
+_HUGE = 2 * 1024 * 1024
+_WINDOW_S = 0.001         # latency: length of one timed window, seconds   # transparent huge page size on x86-64 / most arm64
 
 
 def _llc_bytes(probe_info) -> int | None:
@@ -187,16 +188,18 @@ def _build_chain(arr, nbytes, stride, order, rng, absolute):
 
 
 def _time_chase(fn, mv, start, steps):
-    """Seconds to follow ``steps`` pointers from ``start``."""
+    """Follow ``steps`` pointers from ``start``; returns (seconds, position reached). The
+    caller continues from the returned position, so that every load's reuse distance is the
+    whole cycle (restarting at ``start`` would re-read the same, now cached, prefix)."""
     if fn is not None:
         t0 = time.perf_counter()
-        fn(start, steps)
-        return time.perf_counter() - t0
+        p = fn(start, steps)
+        return time.perf_counter() - t0, p
     i = start
     t0 = time.perf_counter()
     for _ in range(steps):
         i = mv[i]
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, i
 
 
 def _default_sizes(min_bytes, max_bytes, points_per_octave):
@@ -236,8 +239,8 @@ def measure_memory_latency(max_bytes: int | None = None, min_bytes: int = 4 * _K
     subtracted (then only latencies well above ~30 ns are meaningful). Huge pages are requested
     (MADV_HUGEPAGE) so that TLB misses do not masquerade as cache levels; under a hypervisor,
     nested page walks still add to the largest sizes. The whole curve is swept ``repeats``
-    times (a fresh random cycle each sweep) and each point is the minimum over sweeps of a
-    ~``target_seconds`` run: interference from other processes only adds time, and spreading
+    times (a fresh random cycle each sweep) and each point is the minimum over sweeps, and
+    over ~1 ms windows within ``target_seconds`` per sweep: interference from other processes only adds time, and spreading
     a point's samples in time keeps one burst of it from spoiling the point (sizes above
     64 MiB, far beyond the caches, are measured in the first sweep only, and by default at one
     size per octave: building a random cycle over 1 GiB takes seconds).
@@ -317,7 +320,7 @@ def measure_memory_latency(max_bytes: int | None = None, min_bytes: int = 4 * _K
         if fn is None:  # cost of the Python loop itself, on an L1-resident chain
             for order in orders:
                 start, n = _build_chain(arr, min(sizes[0], 4 * _KiB), stride, order, rng, False)
-                overhead[order] = min(_time_chase(None, mv, start, 200_000)
+                overhead[order] = min(_time_chase(None, mv, start, 200_000)[0]
                                       for _ in range(3)) / 200_000
         # `repeats` sweeps over all sizes: the samples of one size are spread in time, so a
         # burst of activity from other processes spoils one sample, not all of them
@@ -327,10 +330,18 @@ def measure_memory_latency(max_bytes: int | None = None, min_bytes: int = 4 * _K
                     if sweep > 0 and ws > _SWEEP_MAX:
                         continue  # far beyond any cache: one sample suffices
                     start, n = _build_chain(arr, ws, stride, order, rng, fn is not None)
-                    _time_chase(fn, mv, start, min(n, 200_000 if fn else 100_000))  # warm
-                    est = max(_time_chase(fn, mv, start, 2000) / 2000, 1e-10)
-                    steps = int(min(max(target_seconds / est, 1000), 5e8 if fn else 2e6))
-                    t = _time_chase(fn, mv, start, steps) / steps
+                    _, pos = _time_chase(fn, mv, start, min(n, 200_000 if fn else 100_000))
+                    t, pos = _time_chase(fn, mv, pos, 2000)
+                    est = max(t / 2000, 1e-10)
+                    # several short windows, keep the fastest: a window in which this
+                    # process was preempted or its caches were flushed by a neighbour is slow
+                    window = min(target_seconds, _WINDOW_S)
+                    steps = int(min(max(window / est, 1000), 5e8 if fn else 2e6))
+                    nwin = max(1, int(round(target_seconds / window)))
+                    t = math.inf
+                    for _ in range(nwin):
+                        dt, pos = _time_chase(fn, mv, pos, steps)
+                        t = min(t, dt / steps)
                     if fn is None:
                         t = max(t - overhead[order], 0.0)
                     samples[order][k].append(t * 1e9)
