@@ -375,7 +375,7 @@ def test_no_aliasing_across_calls():
     for u in (a1, b1):
         for v in (a2, b2, a3, b3):
             assert not np.shares_memory(u._data, v._data)
-    np.testing.assert_array_equal(a2.asnumpy(), a3.asnumpy())
+    np.testing.assert_allclose(a2.asnumpy(), a3.asnumpy(), rtol=1e-6, atol=1e-7)  # two programs
 
 
 def test_set_data_and_trainer_updates_are_seen():
