@@ -16,6 +16,11 @@ asserted).
    handed to the worker thread), and the naive (synchronous) engine. Microseconds per op
    (total) and microseconds per op spent in the frontend's loop (push).
 
+"cores busy" is the process CPU time over the wall time of a run (median): about 2 when the two
+workers really compute at once on 2 free cores; near 1 when other processes hold the cores (then
+no speedup is possible and the figures say so). It also counts OpenBLAS threads that spin-wait
+for a while after a multi-threaded GEMM, so read it as an upper bound on useful work.
+
 Every figure is the median over ``--rounds`` rounds; within a round the configurations are
 run one after the other, so the slowly varying load of a shared machine hits them alike.
 """
@@ -107,6 +112,7 @@ def two_chains(n, steps, rounds):
     if half != CORES:
         configs.append(("parallel", parallel, CORES))         # oversubscribed, for reference
     times = {(name, th): [] for name, _, th in configs}
+    cpu = {(name, th): [] for name, _, th in configs}
     for name, fn, th in configs:                               # warm-up
         with blas_threads(th):
             fn()
@@ -114,10 +120,13 @@ def two_chains(n, steps, rounds):
         for name, fn, th in configs:
             with blas_threads(th):
                 hl.waitall()
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 fn()
-                times[(name, th)].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}, half
+                dt = time.perf_counter() - t0
+                times[(name, th)].append(dt)
+                cpu[(name, th)].append((time.process_time() - c0) / dt)
+    util = {k: statistics.median(v) for k, v in cpu.items()}
+    return {k: statistics.median(v) for k, v in times.items()}, half, util
 
 
 def report_two_chains(sizes, rounds, log):
@@ -126,10 +135,10 @@ def report_two_chains(sizes, rounds, log):
         f"median of {rounds}, seconds")
     log(f"   {'n':>5} {'steps':>5} {'GFLOP':>6} | {'parallel':>15} | {'serial 1 thr':>12} "
         f"{'serial ' + str(CORES) + ' thr':>12} | {'par ' + str(CORES) + 'x' + str(CORES):>9} | "
-        f"{'speedup vs 1thr':>15} {'vs best serial':>14}")
+        f"{'speedup vs 1thr':>15} {'vs best serial':>14} | cores busy par/ser")
     for n in sizes:
         steps = max(2, int(round(4e9 / (2.0 * n ** 3) / 2)))  # ~2 GFLOP per chain
-        med, half = two_chains(n, steps, rounds)
+        med, half, util = two_chains(n, steps, rounds)
         par = med[("parallel", half)]
         s1, sall = med[("serial", 1)], med[("serial", CORES)]
         over = med.get(("parallel", CORES))
@@ -138,10 +147,12 @@ def report_two_chains(sizes, rounds, log):
         row = {"n": n, "steps": steps, "gflop": gf, "parallel_s": par, "blas_threads_parallel": half,
                "serial_1thread_s": s1, f"serial_{CORES}threads_s": sall,
                "parallel_oversubscribed_s": over, "speedup_vs_serial_1thread": s1 / par,
-               "speedup_vs_best_serial": best / par}
+               "speedup_vs_best_serial": best / par,
+               "cores_busy_parallel": util[("parallel", half)], "cores_busy_serial_1thread": util[("serial", 1)]}
         out.append(row)
         log(f"   {n:>5} {steps:>5} {gf:>6.2f} | {par:>8.4f} ({half} thr) | {s1:>12.4f} {sall:>12.4f} | "
-            f"{(over if over is not None else float('nan')):>9.4f} | {s1 / par:>14.2f}x {best / par:>13.2f}x")
+            f"{(over if over is not None else float('nan')):>9.4f} | {s1 / par:>14.2f}x {best / par:>13.2f}x | "
+            f"{util[('parallel', half)]:.2f} / {util[('serial', 1)]:.2f}")
     return out
 
 
