@@ -132,9 +132,10 @@ def train_multi_device(args, net, train_loader, test_loader, devices, opt_params
         trainer = optim.Trainer(pipe.collect_params(), args.optimizer, opt_params)
         model = _PipelineNet(pipe)
 
-        def batch_fn(x, y):
+        def pipe_batch(x, y):
             loss, out = pipe.forward_backward(x, y, loss_fn)
             return transfer(loss, devices[0]), transfer(out, devices[0])
+        batch_fn = pipe_batch
         detail = (f"pipeline of {k} stages ({[len(g) for g in groups]} layers), {m} "
                   f"micro-batches, schedule {sched}")
         params_owner = None
