@@ -222,9 +222,6 @@ def test_adding_a_child_clears_the_cache():
     np.testing.assert_allclose(net(x).asnumpy(), np.tanh(y1.asnumpy()), rtol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="nn/block.py: a child added to a nested block does not "
-                   "clear the hybridized parent's cache (HybridBlock._on_child_change only clears "
-                   "the block's own cache), so the parent keeps running the stale program")
 def test_adding_a_grandchild_clears_the_parents_cache():
     inner = nn.HybridSequential()
     inner.add(nn.Dense(6, activation="relu"))

@@ -169,6 +169,7 @@ class _Cache:
         self.misses = 0
         self.reasons = []
         self.warned = False
+        self.version = -1
 
     def info(self):
         return CacheInfo(hits=self.hits, misses=self.misses, reasons=list(self.reasons),
@@ -212,10 +213,12 @@ def _run(entry, args):
 
 def call_cached(block, args):
     """Run ``block`` hybridized on ``args`` (NDArrays): look up or build the program."""
+    from ..nn.block import STRUCTURE_VERSION
     cache = block.__dict__.get("_hcache")
-    if cache is None or block._cached is None:
+    if cache is None or block._cached is None or cache.version != STRUCTURE_VERSION[0]:
         cache = _Cache() if cache is None else cache
         cache.entries = {}
+        cache.version = STRUCTURE_VERSION[0]
         object.__setattr__(block, "_hcache", cache)
         object.__setattr__(block, "_cached", cache.entries)
     sig = _signature(args)

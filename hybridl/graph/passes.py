@@ -308,22 +308,32 @@ class MemoryPlan:
         buffers (list of int): byte sizes of the persistent buffers.
         assign (dict): (node id, output index) -> buffer index, for values written with out=.
         inplace (set): values written into the buffer of an input that dies there.
-        naive_bytes (int): bytes of every freshly allocated intermediate without reuse.
-        planned_bytes (int): buffer bytes plus values still allocated fresh (escaping ones).
+        naive_bytes (int): bytes of every freshly allocated value (no reuse; views are free).
+        planned_bytes (int): buffer bytes plus values still allocated fresh (outputs and what
+            can alias them).
+        fresh_bytes (int): the part of both that is allocated fresh on every call.
     """
 
     def __init__(self):
         self.buffers, self.assign, self.inplace = [], {}, set()
-        self.naive_bytes = self.planned_bytes = 0
+        self.naive_bytes = self.planned_bytes = self.fresh_bytes = 0
 
     @property
     def ratio(self):
         """planned_bytes / naive_bytes (lower is better)."""
         return self.planned_bytes / self.naive_bytes if self.naive_bytes else 1.0
 
+    @property
+    def internal_ratio(self):
+        """Intermediates only (outputs excluded on both sides): buffer bytes / naive bytes of
+        the planned values."""
+        naive = self.naive_bytes - self.fresh_bytes
+        return sum(self.buffers) / naive if naive else 1.0
+
     def __repr__(self):
         return (f"MemoryPlan({len(self.buffers)} buffers, naive {self.naive_bytes} B, planned "
-                f"{self.planned_bytes} B, ratio {self.ratio:.2f}, {len(self.inplace)} in-place)")
+                f"{self.planned_bytes} B, ratio {self.ratio:.2f}, intermediates ratio "
+                f"{self.internal_ratio:.2f}, {len(self.inplace)} in-place)")
 
 
 _VIEW_OPS = {"reshape", "transpose", "broadcast_to", "slice", "identity", "stop_gradient"}

@@ -16,6 +16,10 @@ from .parameter import DeferredInitializationError, Parameter, ParameterDict
 
 __all__ = ["Block", "HybridBlock", "Sequential", "HybridSequential"]
 
+# Incremented whenever any block gains a child: a hybridized block compares it with the value
+# its programs were built at, so adding a grandchild also invalidates the parent's cache.
+STRUCTURE_VERSION = [0]
+
 
 class Block:
     """Base class of layers and models.
@@ -35,6 +39,7 @@ class Block:
         if isinstance(value, Block):
             self._children[name] = value
             self._reg_params.pop(name, None)
+            STRUCTURE_VERSION[0] += 1
             self._on_child_change()
         elif isinstance(value, Parameter):
             self._reg_params[name] = value
@@ -53,6 +58,7 @@ class Block:
         """Register ``block`` as a child (Sequential uses '0', '1', ...)."""
         name = str(len(self._children)) if name is None else name
         self._children[name] = block
+        STRUCTURE_VERSION[0] += 1
         self._on_child_change()
         return block
 
@@ -233,8 +239,9 @@ class HybridBlock(Block):
 
     def __call__(self, *args, **kwargs):
         if self._active and not kwargs:
-            from ..graph import hybrid
-            return hybrid.call_cached(self, args)
+            from ..graph import hybrid, trace
+            if not trace.is_tracing():          # inside another trace: inline the forward
+                return hybrid.call_cached(self, args)
         return self.forward(*args, **kwargs)
 
     def export(self, prefix, *example_inputs):

@@ -275,6 +275,8 @@ RECIP = _u("reciprocal", _fk(np.reciprocal),
 def _sigmoid_kernel(x, out=None):
     # 1 / (1 + exp(-x)) written so that exp never overflows: 0.5 * (1 + tanh(x / 2))
     y = np.multiply(x, 0.5, out=out, dtype=x.dtype if x.dtype.kind == "f" else F32)
+    if not isinstance(y, np.ndarray):          # 0-d input: NumPy returned a scalar
+        y = np.array(y)
     np.tanh(y, out=y)
     y += 1.0
     y *= 0.5
@@ -757,8 +759,8 @@ def _g_fc(c, g):
     k = w.shape[1]
     x2 = _rs(x, (x.shape[0], k) if flatten else (-1, k))
     g2 = _rs(g, (-1, w.shape[0]))
+    gw = matmul(transpose(g2), x2)          # first: lets x die before gx is allocated
     gx = _rs(matmul(g2, w), x.shape)
-    gw = matmul(transpose(g2), x2)
     res = (gx, gw)
     if len(c.inputs) == 3:
         res = res + (sum(g2, axis=0),)

@@ -31,8 +31,8 @@ def _g_log_softmax(c, g):
     return (subtract(g, multiply(exp(y), sum(g, axis=ax, keepdims=True))),)
 
 
-SOFTMAX = register("softmax", lambda x, axis: K.softmax(x, axis), _sm_infer, _g_softmax)
-LOG_SOFTMAX = register("log_softmax", lambda x, axis: K.log_softmax(x, axis), _sm_infer,
+SOFTMAX = register("softmax", lambda x, axis, out=None: K.softmax(x, axis, out=out), _sm_infer, _g_softmax)
+LOG_SOFTMAX = register("log_softmax", lambda x, axis, out=None: K.log_softmax(x, axis, out=out), _sm_infer,
                        _g_log_softmax)
 
 
@@ -64,11 +64,11 @@ def _g_sce(c, g):
     return apply(SCE_GRAD, g, logits, labels), None
 
 
-SCE = register("softmax_cross_entropy", lambda lg, lb: K.softmax_cross_entropy(lg, lb),
+SCE = register("softmax_cross_entropy", lambda lg, lb, out=None: K.softmax_cross_entropy(lg, lb, out=out),
                _sce_infer, _g_sce,
                cost=lambda i, o, s, **a: (5.0 * numel(i[0]), float(numel(i[0]) * s)))
 SCE_GRAD = register("softmax_cross_entropy_grad",
-                    lambda g, lg, lb: K.softmax_cross_entropy_grad(g, lg, lb),
+                    lambda g, lg, lb, out=None: K.softmax_cross_entropy_grad(g, lg, lb, out=out),
                     lambda g, lg, lb: [(lg.shape, lg.dtype)])
 
 
@@ -196,18 +196,18 @@ def _pool_cost(in_shapes, out_shapes, itemsize, kernel, **a):
             float((numel(in_shapes[0]) + numel(out_shapes[0])) * itemsize))
 
 
-MAXPOOL = register("max_pool2d", lambda x, kernel, stride, padding: K.max_pool2d(x, kernel, stride, padding),
+MAXPOOL = register("max_pool2d", lambda x, kernel, stride, padding, out=None: K.max_pool2d(x, kernel, stride, padding, out=out),
                    _pool_infer("max_pool2d"), _g_maxpool, _pool_cost)
 MAXPOOL_GRAD = register("max_pool2d_grad",
-                        lambda g, x, y, kernel, stride, padding: K.max_pool2d_grad(g, x, y, kernel, stride, padding),
+                        lambda g, x, y, kernel, stride, padding, out=None: K.max_pool2d_grad(g, x, y, kernel, stride, padding, out=out),
                         lambda g, x, y, **a: [(x.shape, x.dtype)])
 AVGPOOL = register("avg_pool2d",
-                   lambda x, kernel, stride, padding, count_include_pad:
-                   K.avg_pool2d(x, kernel, stride, padding, count_include_pad),
+                   lambda x, kernel, stride, padding, count_include_pad, out=None:
+                   K.avg_pool2d(x, kernel, stride, padding, count_include_pad, out=out),
                    _pool_infer("avg_pool2d"), _g_avgpool, _pool_cost)
 AVGPOOL_GRAD = register("avg_pool2d_grad",
-                        lambda g, x_shape, kernel, stride, padding, count_include_pad:
-                        K.avg_pool2d_grad(g, x_shape, kernel, stride, padding, count_include_pad),
+                        lambda g, x_shape, kernel, stride, padding, count_include_pad, out=None:
+                        K.avg_pool2d_grad(g, x_shape, kernel, stride, padding, count_include_pad, out=out),
                         lambda g, x_shape, **a: [(x_shape, g.dtype)])
 
 
@@ -285,7 +285,7 @@ def _g_bn_infer(c, g):
 
 
 BN_INFER = register("batch_norm_infer",
-                    lambda x, g, b, rm, rv, eps, axis: K.batch_norm_infer(x, g, b, rm, rv, eps, axis),
+                    lambda x, g, b, rm, rv, eps, axis, out=None: K.batch_norm_infer(x, g, b, rm, rv, eps, axis, out=out),
                     _bn_infer_infer, _g_bn_infer)
 
 

@@ -1,0 +1,145 @@
+"""Hybridization benchmarks (issue 4), one run, ratios printed; run twice and quote medians.
+
+1. The classic: MLP 512-256-128-2, batch 1, forward calls: hybridl eager vs hybridized vs
+   NumPy by hand vs PyTorch eager, torch.jit.script, jax.jit (peers via ../shared/bench).
+   Targets: hybridized <= 1.2x NumPy by hand and <= 0.5x torch.jit.script.
+2. Training steps hybridized: see benchmarks/train_step.py (same workloads).
+3. Memory: planned peak / naive bytes of the joint forward+backward (training) programs of the
+   MLP and LeNet (target <= 0.5), and peak Python-heap memory (tracemalloc) of one training
+   step eager vs hybridized.
+4. Compile time per model (target < 1 s for LeNet).
+
+    python benchmarks/hybridize.py [--no-peers]
+"""
+import argparse
+import os
+import sys
+import time
+import tracemalloc
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import bench, run_peer, table  # noqa: E402
+from train_step import lenet_net, mlp_net  # noqa: E402
+
+import hybridl as hl  # noqa: E402
+from hybridl import autograd, nn  # noqa: E402
+from hybridl.graph import Graph, gradient  # noqa: E402
+from hybridl.graph.hybrid import trace_graph  # noqa: E402
+from hybridl.graph.program import Program  # noqa: E402
+
+
+def classic_net():
+    rng = np.random.default_rng(0)
+    net = nn.HybridSequential()
+    net.add(nn.Dense(256, activation="relu", in_units=512), nn.Dense(128, activation="relu", in_units=256),
+            nn.Dense(2, in_units=128))
+    net.initialize()
+    for layer, (fi, fo) in zip(net, [(512, 256), (256, 128), (128, 2)]):
+        b = 1.0 / np.sqrt(fi)
+        layer.weight.set_data(rng.uniform(-b, b, (fo, fi)).astype(np.float32))
+        layer.bias.set_data(rng.uniform(-b, b, (fo,)).astype(np.float32))
+    return net
+
+
+def classic(peers):
+    net = classic_net()
+    x = hl.nd.array(np.random.default_rng(2).standard_normal((1, 512), dtype=np.float32))
+
+    def call():
+        net(x).wait_to_read()
+    eager = bench(call, 1000) * 1e3
+    net.hybridize()
+    hyb = bench(call, 1000) * 1e3
+    with hl.engine.set_engine("naive"):
+        naive_hyb = bench(call, 1000) * 1e3
+    rows = [("hybridl eager", eager), ("hybridl hybridized", hyb),
+            ("hybridl hybridized, naive engine", naive_hyb)]
+    if peers:
+        for fw in ("numpy", "torch_eager", "torch_jit_script", "jax_jit_t1"):
+            rows.append((fw, run_peer("mlp_infer", fw)))
+    table("MLP 512-256-128-2 forward, batch 1, per call", rows, ref="numpy")
+    d = dict(rows)
+    if d.get("torch_jit_script"):
+        print(f"  hybridized / torch.jit.script: {hyb / d['torch_jit_script']:.2f}x (target <= 0.5)")
+
+
+def joint_program(net, x, y):
+    loss_fn = hl.loss.SoftmaxCrossEntropyLoss()
+    with autograd.train_mode():
+        inputs, outs, _, ctx = trace_graph(lambda a, b: loss_fn(net(a), b), [x, y])
+    n = 2
+    joint, _, _ = gradient(Graph(inputs, outs), list(range(n, len(inputs))))
+    t0 = time.perf_counter()
+    prog = Program(joint, None, "train")
+    return prog, time.perf_counter() - t0
+
+
+def memory():
+    print("\n== Memory: joint forward+backward training programs ==")
+    for name, mk, shape, b in (("MLP 784-256-128-10", mlp_net, (784,), 256),
+                               ("LeNet", lenet_net, (1, 28, 28), 128)):
+        net = mk()
+        x = hl.nd.array(np.random.rand(b, *shape).astype(np.float32))
+        y = hl.nd.array(np.random.randint(0, 10, b))
+        prog, secs = joint_program(net, x, y)
+        p = prog.memory_plan
+        print(f"  {name:20s} batch {b}: naive {p.naive_bytes / 2**20:7.2f} MiB, planned "
+              f"{p.planned_bytes / 2**20:7.2f} MiB, ratio {p.ratio:.2f} (target <= 0.5); "
+              f"intermediates only (gradients/loss excluded): ratio {p.internal_ratio:.2f}; "
+              f"{len(p.inplace)} in-place, compile {secs * 1e3:.0f} ms")
+        peaks = {}
+        for mode in ("eager", "hybridized"):
+            net2 = mk()
+            if mode == "hybridized":
+                net2.hybridize()
+            tr = hl.Trainer(net2.collect_params(), "sgd", {"learning_rate": 0.1})
+            lf = hl.loss.SoftmaxCrossEntropyLoss()
+
+            def step():
+                with autograd.record():
+                    loss = lf(net2(x), y)
+                loss.backward()
+                tr.step(b)
+                hl.waitall()
+            step()
+            tracemalloc.start()
+            step()
+            peaks[mode] = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+        print(f"  {'':20s} tracemalloc peak per step: eager {peaks['eager'] / 2**20:.2f} MiB, "
+              f"hybridized {peaks['hybridized'] / 2**20:.2f} MiB "
+              f"({peaks['hybridized'] / peaks['eager']:.2f}x)")
+
+
+def compile_times():
+    print("\n== Compile time (trace + passes + codegen, training signature: fwd + bwd) ==")
+    for name, mk, shape in (("mlp", lambda: hl.models.mlp(), (32, 784)),
+                            ("lenet", lambda: hl.models.lenet(10, 28), (128, 1, 28, 28)),
+                            ("resnet18", lambda: hl.models.resnet18(10), (8, 3, 32, 32))):
+        net = mk()
+        net.initialize()
+        x = hl.nd.array(np.random.rand(*shape).astype(np.float32))
+        net(x)
+        net.hybridize()
+        t0 = time.perf_counter()
+        with autograd.record():
+            out = net(x)
+        t = time.perf_counter() - t0
+        out.wait_to_read()
+        print(f"  {name:10s} {t * 1e3:8.1f} ms" + ("  (target < 1 s)" if name == "lenet" else ""))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-peers", action="store_true")
+    args = ap.parse_args(argv)
+    classic(not args.no_peers)
+    memory()
+    compile_times()
+    print("\nTraining steps hybridized: run benchmarks/train_step.py")
+
+
+if __name__ == "__main__":
+    main()
