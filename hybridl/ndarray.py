@@ -21,6 +21,7 @@ from .engine import Var
 from .ops import math as M
 from .ops._util import F32, I64, as_dtype
 from .ops.dispatch import register_interpreter
+from .ops.registry import Op
 
 __all__ = ["NDArray", "array", "zeros", "ones", "full", "empty", "arange", "zeros_like",
            "ones_like", "full_like", "empty_like", "waitall", "from_numpy"]
@@ -203,7 +204,7 @@ class NDArray:
         _engine.push(copy, [src._var], [out._var], ("copy", out.device), name="copy",
                      meta=_copy_meta(src) if _engine.get_engine().profiler else None)
         if _ag.is_recording() and _tracked(self) and out is not self:
-            _ag.record_op(M.IDENTITY, (self,), [out], {})
+            _ag.record_op(_COPY, (self,), [out], {})
         return out
 
     def to(self, device):
@@ -398,6 +399,15 @@ class NDArray:
 
 
 # ============================================================================ internals
+
+
+def _g_copy(c, g):
+    src = c.inputs[0]
+    return (g.to(src.device) if isinstance(g, NDArray) else g,)
+
+
+# the autograd record of a copy between devices: its gradient is copied back to the source
+_COPY = Op("copy", lambda x: x, lambda x: [(x.shape, x.dtype)], _g_copy)
 
 
 def _copy_meta(src):

@@ -91,10 +91,11 @@ class Trainer:
         if self._kv is None:
             return
         n = len(self._params)
-        for i in reversed(range(n)):          # last layers first (their grads are ready first)
+        for i in reversed(range(n)):          # last layers first, at the highest priority: their
+            # gradients are ready first, while backward of earlier layers is still running
             p = self._params[i]
             grads = p.list_grad()
-            self._kv.pushpull(i, grads, out=grads, priority=-i)
+            self._kv.pushpull(i, grads, out=grads, priority=i)
 
     def step(self, batch_size, ignore_stale_grad=False):
         """One optimization step: aggregate gradients, then update every parameter copy.
