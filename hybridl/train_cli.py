@@ -248,3 +248,41 @@ def _train(args):
 
 
 main = main_train
+
+
+def main_export(argv=None):
+    """``hybridl export``: write a trained model as graph JSON + safetensors (and ONNX).
+
+    Example: ``hybridl train --save lenet.safetensors`` then
+    ``hybridl export --params lenet.safetensors --out lenet [--onnx lenet.onnx]``.
+    """
+    p = _Parser(prog="hybridl export", description="Export a model for use without its Python code.")
+    p.add_argument("--model", default="lenet", choices=("mlp", "lenet", "resnet18", "inception"))
+    p.add_argument("--dataset", default="digits", choices=_DATASETS,
+                   help="sets the input size the model was trained for (8x8 digits, 28x28 MNIST)")
+    p.add_argument("--params", default=None, help="parameters saved by `hybridl train --save`")
+    p.add_argument("--out", required=True, metavar="PREFIX",
+                   help="writes PREFIX-symbol.json and PREFIX.safetensors")
+    p.add_argument("--batch-size", type=_positive_int, default=1, help="input batch of the graph")
+    p.add_argument("--onnx", default=None, metavar="PATH", help="also write an ONNX model")
+    args = p.parse_args(argv)
+    from . import nd
+    size = 8 if args.dataset == "digits" else 28
+    net = _model(args.model, size)
+    net.initialize()
+    x = nd.zeros((args.batch_size, 1, size, size))
+    net(x)                                          # finish deferred shapes
+    try:
+        if args.params:
+            net.load_parameters(args.params)
+        net.hybridize()
+        sym, par = net.export(args.out, x)
+        print(f"wrote {sym} and {par}")
+        if args.onnx:
+            from . import onnx
+            onnx.export(net, x, args.onnx)
+            print(f"wrote {args.onnx}")
+    except (FileNotFoundError, ValueError, ImportError) as e:
+        print(f"hybridl export: error: {e}", file=sys.stderr)
+        return 2
+    return 0
