@@ -2,12 +2,17 @@
 side by side with torch.nn.functional on the CPU (torch.set_num_threads(2)) when torch is
 importable.
 
-    python benchmarks/kernels.py [--reps 30] [--batch 128]
+    python benchmarks/kernels.py [--reps 30] [--batch 128] [--threads 2]
 
 Each row is the median wall time (ms) over ``--reps`` repetitions (after one warm-up) of one
 kernel call; "fwd+bwd" rows time the forward plus every backward the LeNet training step needs
 (conv1's input is the data, so no grad w.r.t. it). torch backward is timed through
-autograd.grad on a fresh graph, so its column includes building that graph.
+autograd.grad on a fresh graph, so its column includes building that graph. TOTAL sums the
+conv1/pool1/conv2/pool2 fwd+bwd rows.
+
+On a shared 2-core machine whose other core is busy, any 2-thread library call (OpenBLAS GEMM,
+torch's OpenMP regions) waits for a scheduler slice for its second thread and can run 4-10x
+slower than with 1 thread; use ``--threads 1`` for a stable comparison in that situation.
 """
 
 from __future__ import annotations
@@ -28,7 +33,6 @@ try:
     import torch
     import torch.nn.functional as F
 
-    torch.set_num_threads(2)
 except Exception:  # pragma: no cover - torch optional
     torch = None
 
@@ -202,12 +206,22 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2,
+                    help="threads for torch (set_num_threads) and for NumPy's BLAS (threadpoolctl)")
     args = ap.parse_args(argv)
+    if torch is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(args.threads, user_api="blas")
+    except ImportError:  # pragma: no cover
+        pass
     reps = max(20, args.reps)
     cases = build_cases(args.batch, np.random.default_rng(0))
     have_t = torch is not None
     print(f"hybridl.kernels vs torch.nn.functional, LeNet shapes, batch {args.batch}, float32, "
-          f"median of {reps}+ reps in 2 alternating rounds (ms); torch: {torch.__version__ + ', 2 threads' if have_t else 'not installed'}")
+          f"median of {reps}+ reps in 2 alternating rounds (ms); torch: {torch.__version__ if have_t else 'not installed'}; {args.threads} thread(s) each")
     print(f"{'kernel':34s} {'hybridl':>9s} {'torch':>9s} {'ratio':>7s}")
     results = run_table(cases, reps, have_t)
     tot_h = tot_t = 0.0
