@@ -48,6 +48,8 @@ class Trainer:
         self._kv_spec = kvstore
         self._kv = None
         self._kv_ready = False
+        if _is_dist(kvstore) and all(p._data is not None for p in self._params):
+            self._init_kvstore()    # broadcast rank 0's parameters before the first forward
 
     # ------------------------------------------------------------------ properties
     @property
@@ -81,8 +83,8 @@ class Trainer:
         if spec is None:
             spec = "device"
         self._kv = spec if not isinstance(spec, str) else kv.create(spec)
-        for i, p in enumerate(self._params):
-            self._kv.init(i, p.list_data())
+        if self._params:            # all keys in one call: a 'dist' store checks them at once
+            self._kv.init(list(range(len(self._params))), [p.list_data() for p in self._params])
 
     def allreduce_grads(self):
         """Sum each parameter's gradients over its device copies (and processes), in place."""
@@ -102,7 +104,9 @@ class Trainer:
 
         Args:
             batch_size (int): gradients are scaled by 1 / batch_size (the loss is a sum over
-                the batch in the usual ``loss.backward()``).
+                the batch in the usual ``loss.backward()``). With a ``'dist'`` kvstore this is
+                the batch of THIS process: the summed gradients are also divided by the number
+                of processes (the mean over the global batch, as Horovod does).
 
         Raises:
             ValueError: batch_size <= 0.
@@ -115,7 +119,8 @@ class Trainer:
     def update(self, batch_size):
         """Apply the optimizer (no gradient aggregation)."""
         opt = self._optimizer
-        opt.rescale_grad = 1.0 / batch_size
+        workers = getattr(self._kv, "num_workers", 1) if self._kv is not None else 1
+        opt.rescale_grad = 1.0 / (batch_size * workers)
         opt.num_update += 1
         for i, p in enumerate(self._params):
             for d, w in zip(p.list_device(), p.list_data()):
@@ -178,6 +183,12 @@ class Trainer:
                     st["arrays"][n] = tensors[f"{key}/{n}"].copy()
         self._optimizer.num_update = int(meta.get("num_update", 0))
         self._optimizer.lr = float(meta.get("lr", self._optimizer.lr))
+
+
+def _is_dist(spec):
+    if isinstance(spec, str):
+        return spec.startswith("dist")
+    return getattr(spec, "num_workers", 1) > 1
 
 
 _ = ParameterDict
