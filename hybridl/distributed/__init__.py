@@ -1,0 +1,221 @@
+"""``hl.distributed``: data-parallel training over several processes (and machines) with MPI.
+
+::
+
+    # run with:  hybridl launch -n 2 -- python train.py      (or mpiexec -n 2 python train.py)
+    import hybridl as hl
+    hl.distributed.init()                       # no-op (rank 0 of 1) when not under mpiexec
+    loader = hl.data.DataLoader(ds, 64, shuffle=True, seed=0,
+                                num_shards=hl.distributed.size(),
+                                shard_index=hl.distributed.rank())
+    trainer = hl.Trainer(net.collect_params(), 'sgd', {...}, kvstore='dist')
+    ...                                          # the usual loop: step(local batch size)
+
+MPI (mpi4py, ``pip install 'hybridl[mpi]'``) is the distributed engine: every collective is an
+engine op on one communication queue (``('comm', 'mpi')``), run in push order on every rank
+(see :mod:`hybridl.distributed._backend`), so communication overlaps compute and never blocks a
+compute worker. The kvstore ``'dist'`` (= ``'dist_sync'``, :class:`DistKVStore`) broadcasts
+parameters from rank 0 at init and all-reduces gradients in buckets (default 25 MB) in reverse
+layer order as soon as each bucket's gradients are ready (Li et al. 2020, "PyTorch
+Distributed: Experiences on Accelerating Data Parallel Training", section 3.2.3; Sergeev & Del
+Balso 2018, "Horovod").
+
+Without an MPI launcher (none of ``PMI_RANK``, ``OMPI_COMM_WORLD_RANK``, ``PMIX_RANK``,
+``MPI_LOCALRANKID`` set) everything is a single process of size 1 and mpi4py is not imported
+(importing ``mpi4py.MPI`` initializes MPI, which some MPI builds refuse outside a launcher).
+
+Failure behaviour: ranks whose parameters differ (count, shape, dtype) get a
+:class:`DistributedError` on every rank at the Trainer's kvstore init; gradient buckets carry a
+layout check; a collective that does not complete within ``HYBRIDL_DIST_TIMEOUT`` seconds
+(default 60; :func:`set_timeout`) aborts the whole job with a message naming it.
+"""
+import numpy as np
+
+from .. import engine as _engine
+from . import _backend
+from ._backend import DistributedError, get_timeout, set_timeout
+
+__all__ = ["init", "is_initialized", "rank", "size", "local_rank", "barrier", "broadcast",
+           "allreduce", "broadcast_parameters", "create_kvstore", "DistKVStore",
+           "DistributedError", "set_timeout", "get_timeout", "launched_under_mpi"]
+
+launched_under_mpi = _backend.launched_under_mpi
+
+
+def init():
+    """Initialize the process group (idempotent); returns ``(rank, size)``.
+
+    Under an MPI launcher this imports mpi4py (MPI initialized with ``MPI_THREAD_MULTIPLE``)
+    and starts the collective watchdog; otherwise it is a no-op: rank 0 of 1, and mpi4py is
+    never imported.
+
+    Raises:
+        ImportError: launched by mpiexec but mpi4py is not installed.
+        DistributedError: the MPI library does not support calls from a helper thread.
+    """
+    st = _backend.init()
+    return st.rank, st.size
+
+
+def is_initialized():
+    """True once :func:`init` has run."""
+    return _backend.state.initialized
+
+
+def rank():
+    """This process's rank in ``[0, size())`` (initializes on first use)."""
+    return _backend.init().rank
+
+
+def size():
+    """Number of processes of the job (1 without an MPI launcher)."""
+    return _backend.init().size
+
+
+def local_rank():
+    """This process's rank among the processes of its machine (0 without a launcher)."""
+    return _backend.init().local_rank
+
+
+def _check_nd(x, what):
+    from ..ndarray import NDArray
+    if not isinstance(x, NDArray):
+        raise TypeError(f"{what}: expected an NDArray, got {type(x).__name__}")
+
+
+def barrier():
+    """Block until every rank has reached this barrier (and this rank's pushed collectives have
+    completed; compute work keeps running).
+
+    Raises:
+        OpError: a collective before it failed.
+    """
+    st = _backend.init()
+    if st.size == 1:
+        return
+    from ..engine import Var
+    v = Var("dist.barrier")
+    _backend.push_collective(lambda comm: comm.Barrier(), [], [v], "dist.barrier")
+    _engine.wait_for(v)
+
+
+def broadcast(x, root=0):
+    """``root``'s value of ``x`` on every rank: a new NDArray (same shape, dtype, device),
+    computed asynchronously (an engine op on the communication queue).
+
+    Args:
+        x (NDArray): on every rank, the same shape and dtype.
+        root (int): the rank whose value is sent.
+
+    Raises:
+        TypeError: ``x`` is not an NDArray.  ValueError: ``root`` out of range.
+    """
+    _check_nd(x, "broadcast")
+    st = _backend.init()
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < st.size:
+        raise ValueError(f"root: expected a rank in [0, {st.size}), got {root!r}")
+    from ..ndarray import NDArray
+    out = NDArray(x.shape, x.dtype, x.device)
+    if st.size == 1:
+        from ..ndarray import _assign_data
+        _assign_data(out, x)
+        return out
+    nbytes = int(x.size) * x.dtype.itemsize
+
+    def bcast(comm):
+        buf = np.array(x._data, dtype=x.dtype, order="C", copy=True)
+        comm.Bcast(buf, root=int(root))
+        out._data = buf
+
+    _backend.push_collective(bcast, [x._var], [out._var], "dist.broadcast", nbytes)
+    return out
+
+
+_OPS = ("sum", "mean", "max", "min", "prod")
+
+
+def allreduce(x, op="sum", check=True):
+    """The elementwise reduction of ``x`` over all ranks: a new NDArray (same shape, dtype,
+    device), computed asynchronously (an engine op on the communication queue).
+
+    Args:
+        x (NDArray): on every rank, the same shape and dtype.
+        op (str): ``'sum'``, ``'mean'`` (sum / size; float dtypes), ``'max'``, ``'min'``,
+            ``'prod'``.
+        check (bool): append two elements that let every rank verify the others reduced the
+            same shape and dtype (a clear :class:`DistributedError` on every rank instead of
+            silently mixed data); costs two elements per call.
+
+    Raises:
+        TypeError: ``x`` is not an NDArray.  ValueError: unknown ``op``, or ``'mean'`` of an
+        integer array.  DistributedError (at the sync point): ranks reduced different layouts.
+    """
+    _check_nd(x, "allreduce")
+    if op not in _OPS:
+        raise ValueError(f"op: expected one of {_OPS}, got {op!r}")
+    if op == "mean" and x.dtype.kind != "f":
+        raise ValueError(f"op: 'mean' needs a float array, got dtype {x.dtype}")
+    st = _backend.init()
+    from ..ndarray import NDArray
+    out = NDArray(x.shape, x.dtype, x.device)
+    if st.size == 1:
+        from ..ndarray import _assign_data
+        _assign_data(out, x)
+        return out
+    mop = "sum" if op == "mean" else op
+    dt = x.dtype
+    n = int(x.size)
+    tag = None
+    if check and dt in (np.float32, np.float64, np.int32, np.int64):
+        tag = _backend.layout_tag(f"allreduce:{x.shape}:{dt}:{mop}")
+        extra = _backend.tag_values(tag, mop, dt)
+        if extra is None:
+            tag = None
+    size = st.size
+
+    def reduce(comm):
+        MPI = st.mpi
+        buf = np.empty(n + (2 if tag is not None else 0), dtype=dt)
+        buf[:n] = np.asarray(x._data).reshape(-1)
+        if tag is not None:
+            buf[n:] = extra
+        comm.Allreduce(MPI.IN_PLACE, buf, op=_backend.mpi_op(mop))
+        if tag is not None:
+            _backend.check_tag(buf[n:], tag, mop, size, f"allreduce of shape {x.shape} {dt}")
+        res = buf[:n].reshape(x.shape)
+        if op == "mean":
+            res = res / dt.type(size)
+        out._data = res
+
+    _backend.push_collective(reduce, [x._var], [out._var], f"dist.allreduce[{op}]", n * dt.itemsize)
+    return out
+
+
+def broadcast_parameters(params, root=0):
+    """Overwrite every parameter (all device copies) with ``root``'s value, asynchronously.
+
+    ``params``: a ParameterDict, dict or list of Parameters (initialized; call the network on
+    data once first when shapes are deferred). The Trainer with ``kvstore='dist'`` does this at
+    its kvstore init.
+
+    Raises:
+        DistributedError: the ranks' parameters differ in count, shape or dtype (every rank).
+    """
+    plist = list(params.values()) if isinstance(params, dict) else list(params)
+    kv = DistKVStore()
+    kv.init(list(range(len(plist))), [p.list_data() for p in plist], root=root)
+
+
+def create_kvstore(name="dist_sync", **kwargs):
+    """The kvstore behind ``hl.kv.create('dist')`` / ``'dist_sync'``.
+
+    Raises:
+        ValueError: an unknown dist kind (``'dist_async'`` is not provided).
+    """
+    if name not in ("dist", "dist_sync"):
+        raise ValueError(f"kvstore {name!r}: expected 'dist' or 'dist_sync' (synchronous "
+                         f"data-parallel over MPI); asynchronous kinds are not provided")
+    return DistKVStore(name, **kwargs)
+
+
+from .kvstore import DistKVStore  # noqa: E402

@@ -1,0 +1,248 @@
+"""The MPI backend of :mod:`hybridl.distributed`: process state, the communication queue and the
+watchdog.
+
+Every collective is an engine op on ONE queue key, :data:`COMM_KEY` ``('comm', 'mpi')``, and
+writes ONE shared Var, :data:`COMM_VAR`. The write-after-write rule of the engine then runs the
+collectives of a process strictly in the order the frontend pushed them, whatever their
+priorities and whenever their inputs became ready (the ready queue orders by priority, so ops
+that become ready at different times on different ranks could otherwise be reordered, and two
+ranks entering different collectives deadlock). The frontend of every rank pushes the same
+collectives in the same order (the Trainer walks its parameters in a fixed order), so every rank
+issues the same sequence. Compute workers never block on communication: a collective waits for
+its inputs like any op and then runs on the communication queue's own thread.
+
+MPI calls are made only from that queue's thread (plus the local ``Get_rank``/``Get_size`` at
+init and ``Abort`` from the watchdog), so ``MPI_THREAD_SERIALIZED`` suffices; mpi4py asks for
+``MPI_THREAD_MULTIPLE`` and MPICH/Open MPI provide it, which the watchdog's ``Abort`` from its
+own thread relies on.
+
+Watchdog: a collective that has not completed ``timeout`` seconds after it started (another
+rank died, hangs, or issued a different collective) makes the process print a message naming
+the collective and call ``MPI_Abort`` on ``COMM_WORLD``, which ends every rank of the job.
+``timeout`` is ``HYBRIDL_DIST_TIMEOUT`` (seconds, default 60) or :func:`set_timeout`.
+"""
+import itertools
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+from .. import engine as _engine
+from ..engine import Var
+
+__all__ = ["COMM_KEY", "COMM_VAR", "state", "init", "launched_under_mpi", "push_collective",
+           "set_timeout", "get_timeout", "DistributedError"]
+
+COMM_KEY = ("comm", "mpi")
+COMM_VAR = Var("comm.mpi")
+
+#: Environment variables set by MPI launchers for each process (MPICH hydra / Intel MPI: PMI_RANK,
+#: MPI_LOCALRANKID; Open MPI: OMPI_COMM_WORLD_RANK; PMIx launchers (Open MPI 5, Slurm srun
+#: --mpi=pmix): PMIX_RANK).
+LAUNCHER_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
+_LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+
+
+class DistributedError(RuntimeError):
+    """Ranks disagree (parameters, bucket layouts, collectives), or MPI is unusable."""
+
+
+class _State:
+    def __init__(self):
+        self.initialized = False
+        self.mpi = None             # the mpi4py.MPI module (None: single process, no MPI)
+        self.comm = None            # our own duplicate of COMM_WORLD
+        self.rank = 0
+        self.size = 1
+        self.local_rank = 0
+        self.thread_level = None
+        self.seq = itertools.count()
+        self.timeout = _env_timeout()
+        self.inflight = None        # (seq, name, nbytes, t_start) of the running collective
+        self.watchdog = None
+        self.lock = threading.Lock()
+
+
+def _env_timeout():
+    s = os.environ.get("HYBRIDL_DIST_TIMEOUT", "").strip()
+    if not s:
+        return 60.0
+    try:
+        v = float(s)
+    except ValueError:
+        raise ValueError(f"HYBRIDL_DIST_TIMEOUT: expected seconds (a positive number), got {s!r}") from None
+    if not v > 0:
+        raise ValueError(f"HYBRIDL_DIST_TIMEOUT: expected seconds (a positive number), got {s!r}")
+    return v
+
+
+state = _State()
+
+
+def launched_under_mpi():
+    """True when an MPI launcher (mpiexec/mpirun/srun) started this process (its env vars)."""
+    return any(v in os.environ for v in LAUNCHER_VARS)
+
+
+def set_timeout(seconds):
+    """Seconds a collective may take before the watchdog aborts the job (see module docstring).
+
+    Raises:
+        ValueError: not a positive number.
+    """
+    try:
+        v = float(seconds)
+    except (TypeError, ValueError):
+        raise ValueError(f"seconds: expected a positive number, got {seconds!r}") from None
+    if not v > 0:
+        raise ValueError(f"seconds: expected a positive number, got {seconds!r}")
+    state.timeout = v
+
+
+def get_timeout():
+    """The collective timeout in seconds."""
+    return state.timeout
+
+
+def init():
+    """Initialize once (see :func:`hybridl.distributed.init`); returns the state."""
+    st = state
+    if st.initialized:
+        return st
+    with st.lock:
+        if st.initialized:
+            return st
+        if launched_under_mpi():
+            try:
+                import mpi4py
+            except ImportError:
+                raise ImportError(
+                    "hybridl.distributed: this process was started by an MPI launcher but mpi4py "
+                    "is not installed; pip install 'hybridl[mpi]' (mpi4py + the mpich wheel), or "
+                    "on a cluster `pip install mpi4py` built against the site's MPI") from None
+            mpi4py.rc.thread_level = "multiple"
+            from mpi4py import MPI
+            if not MPI.Is_initialized():
+                MPI.Init_thread(MPI.THREAD_MULTIPLE)
+            st.mpi = MPI
+            st.thread_level = MPI.Query_thread()
+            if st.thread_level < MPI.THREAD_SERIALIZED:
+                raise DistributedError(
+                    f"hybridl.distributed: the MPI library provides thread level "
+                    f"{st.thread_level}; at least MPI_THREAD_SERIALIZED is needed (collectives run "
+                    f"on the engine's communication thread)")
+            st.comm = MPI.COMM_WORLD.Dup()
+            st.rank = st.comm.Get_rank()
+            st.size = st.comm.Get_size()
+            for v in _LOCAL_RANK_VARS:
+                if v in os.environ:
+                    try:
+                        st.local_rank = int(os.environ[v])
+                    except ValueError:
+                        pass
+                    break
+            if st.size > 1:
+                st.watchdog = threading.Thread(target=_watchdog, name="hybridl-dist-watchdog",
+                                               daemon=True)
+                st.watchdog.start()
+        st.initialized = True
+    return st
+
+
+def _watchdog():
+    st = state
+    while True:
+        time.sleep(min(0.25, st.timeout / 8))
+        cur = st.inflight
+        if cur is None:
+            continue
+        seq, name, nbytes, t0 = cur
+        waited = time.perf_counter() - t0
+        if waited > st.timeout and st.inflight is cur:
+            _abort(f"collective #{seq} {name!r} ({nbytes} bytes) has not completed after "
+                   f"{waited:.1f} s (HYBRIDL_DIST_TIMEOUT={st.timeout:g}): another rank died, "
+                   f"hangs, or issued a different collective")
+
+
+def _abort(msg, code=70):
+    st = state
+    sys.stderr.write(f"hybridl.distributed: rank {st.rank}/{st.size}: {msg}; aborting the job "
+                     f"(MPI_Abort)\n")
+    sys.stderr.flush()
+    try:
+        st.mpi.COMM_WORLD.Abort(code)
+    finally:                        # Abort does not return; if it did, end this process anyway
+        os._exit(code)
+
+
+def push_collective(fn, reads=(), writes=(), name="collective", nbytes=0, priority=1 << 20):
+    """Push ``fn(comm)`` as a collective on the communication queue (in push order, watched).
+
+    ``fn`` runs on the communication thread with the MPI communicator; an MPI error inside it
+    leaves the ranks' collective sequences out of step, so it aborts the job with a message (a
+    Python error raised by ``fn`` itself, e.g. a layout check that every rank makes alike, is an
+    ordinary op error raised at the next sync point).
+    """
+    st = state
+    seq = next(st.seq)
+    MPI = st.mpi
+
+    def run():
+        comm = st.comm
+        cur = (seq, name, nbytes, time.perf_counter())
+        st.inflight = cur
+        try:
+            return fn(comm)
+        except DistributedError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            if MPI is not None and isinstance(e, MPI.Exception):
+                _abort(f"collective #{seq} {name!r} failed in MPI: {e}")
+            raise
+        finally:
+            st.inflight = None
+
+    w = list(writes)
+    w.append(COMM_VAR)
+    _engine.push(run, reads, w, COMM_KEY, priority, name, {"bytes": float(nbytes)})
+    return seq
+
+
+def mpi_op(op):
+    """The MPI reduction op for ``'sum' | 'max' | 'min' | 'prod'``."""
+    MPI = state.mpi
+    return {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}[op]
+
+
+def layout_tag(text):
+    """A small integer in [1, 61] identifying a layout string (same on every rank)."""
+    import zlib
+    return zlib.crc32(text.encode()) % 61 + 1
+
+
+def tag_values(tag, op, dtype):
+    """Two extra elements appended to a reduced buffer so that every rank can check that all
+    ranks reduced the same layout: for ``sum`` (tag, tag^2) -- all tags equal iff
+    (sum t)^2 == size * sum t^2 (Cauchy-Schwarz equality), exact in float32 for tags <= 61 and up
+    to 4096 ranks; for ``max``/``min`` (tag, -tag): all equal iff the max equals minus the
+    max of the negated (and likewise for min)."""
+    if op == "sum":
+        return np.array([tag, tag * tag], dtype=dtype)
+    if op in ("max", "min"):
+        return np.array([tag, -tag], dtype=dtype)
+    return None
+
+
+def check_tag(vals, tag, op, size, what):
+    """Raise DistributedError when the reduced tag elements show differing layouts."""
+    a, b = float(vals[0]), float(vals[1])
+    if op == "sum":
+        ok = a == tag * size and b == tag * tag * size
+    else:
+        ok = a == tag and b == -tag
+    if not ok:
+        raise DistributedError(
+            f"{what}: the ranks reduced different layouts (shapes/dtypes/keys differ between "
+            f"ranks: every rank must push the same arrays in the same order)")

@@ -1,0 +1,375 @@
+"""DistKVStore: the ``'dist'`` / ``'dist_sync'`` kvstore -- synchronous data parallelism over MPI.
+
+What the Trainer does with it (``hl.Trainer(..., kvstore='dist')``):
+
+1. ``init(keys, params)`` (once, all keys together): every rank sends a description of its
+   parameters (key, shape, dtype) to every other (``Allgatherv``); if they differ, every rank
+   raises a :class:`DistributedError` naming the first difference (no rank hangs in a
+   mismatched collective). Then rank 0's values are broadcast into every parameter (coalesced
+   into buckets).
+2. ``pushpull(key, grads, out=grads)`` per parameter, last layers first, right after backward
+   has been *pushed*. Keys are grouped into buckets of about ``bucket_bytes`` (default 25 MB,
+   ``HYBRIDL_DIST_BUCKET_MB``) in reverse key order (the order in which backward produces the
+   gradients; PyTorch DDP, Li et al. 2020, section 3.2.3). When every key of a bucket has been
+   pushed, ONE engine op is pushed on the communication queue that reads the bucket's gradient
+   Vars and writes them: it packs them into one buffer, ``MPI_Allreduce``-s it (sum), and binds
+   each gradient to its slice of the result. The engine starts it as soon as those gradients
+   are computed -- while backward of earlier layers still runs on the compute worker -- and the
+   optimizer update of a parameter waits only for its own bucket.
+3. Each bucket buffer carries two extra elements (a layout tag, see
+   :func:`hybridl.distributed._backend.tag_values`): if ranks packed different layouts, every
+   rank raises a :class:`DistributedError` instead of using mixed data.
+
+The kvstore sums; the Trainer divides by ``num_workers`` as well as by the batch size, so
+``trainer.step(local_batch_size)`` averages over the global batch (as Horovod's
+DistributedTrainer does).
+"""
+import os
+
+import numpy as np
+
+from .. import engine as _engine
+from ..engine import Var
+from ..kv import KVStore
+from . import _backend
+from ._backend import DistributedError  # noqa: F401 (raised by init)
+
+__all__ = ["DistKVStore", "DEFAULT_BUCKET_MB"]
+
+DEFAULT_BUCKET_MB = 25.0
+
+
+class _Bucket:
+    __slots__ = ("index", "keys", "offsets", "counts", "shapes", "dtype", "n", "tag", "name")
+
+    def __init__(self, index, dtype):
+        self.index, self.dtype = index, dtype
+        self.keys, self.offsets, self.counts, self.shapes = [], [], [], []
+        self.n = 0
+        self.tag = None
+        self.name = None
+
+    def add(self, key, shape):
+        cnt = int(np.prod(shape, dtype=np.int64))
+        self.keys.append(key)
+        self.offsets.append(self.n)
+        self.counts.append(cnt)
+        self.shapes.append(tuple(shape))
+        self.n += cnt
+
+    @property
+    def nbytes(self):
+        return self.n * self.dtype.itemsize
+
+
+def _env_bucket_bytes():
+    s = os.environ.get("HYBRIDL_DIST_BUCKET_MB", "").strip()
+    if not s:
+        return int(DEFAULT_BUCKET_MB * 2 ** 20)
+    try:
+        v = float(s)
+    except ValueError:
+        raise ValueError(f"HYBRIDL_DIST_BUCKET_MB: expected a positive number, got {s!r}") from None
+    if not v > 0:
+        raise ValueError(f"HYBRIDL_DIST_BUCKET_MB: expected a positive number, got {s!r}")
+    return int(v * 2 ** 20)
+
+
+class DistKVStore(KVStore):
+    """KVStore across MPI processes (see the module docstring).
+
+    Args:
+        kind (str): ``'dist_sync'`` or its alias ``'dist'``.
+        bucket_mb (float): gradient bucket size in MiB (default ``HYBRIDL_DIST_BUCKET_MB`` or
+            25). Smaller buckets start communicating earlier; larger ones pay the per-message
+            latency less often.
+
+    Attributes:
+        rank, num_workers (int): this process, the number of processes.
+        buckets (list): the bucket plan once built (keys, element counts per bucket).
+
+    Raises:
+        ValueError: a bad ``bucket_mb``.
+    """
+
+    def __init__(self, kind="dist_sync", bucket_mb=None):
+        if kind not in ("dist", "dist_sync"):
+            raise ValueError(f"kvstore: expected 'dist' or 'dist_sync', got {kind!r}")
+        if bucket_mb is None:
+            self.bucket_bytes = _env_bucket_bytes()
+        else:
+            if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
+                raise ValueError(f"bucket_mb: expected a positive number of MiB, got {bucket_mb!r}")
+            self.bucket_bytes = max(1, int(bucket_mb * 2 ** 20))
+        self._st = _backend.init()
+        self.type = "dist_sync"
+        self._store = {}            # key -> {Device: NDArray} (push/pull only)
+        self._updater = None
+        self._meta = {}             # key -> (shape, dtype), in init order
+        self._plan = None
+        self._key_bucket = {}
+        self._staged = {}           # bucket index -> {key: (values, outs, priority)}
+
+    # ------------------------------------------------------------------ info
+    @property
+    def rank(self):
+        return self._st.rank
+
+    @property
+    def num_workers(self):
+        return self._st.size
+
+    @property
+    def buckets(self):
+        """The bucket plan: a list of dicts (keys, elements, bytes, dtype), last keys first."""
+        plan = self._get_plan()
+        return [{"keys": list(b.keys), "elements": b.n, "bytes": b.nbytes, "dtype": str(b.dtype)}
+                for b in plan]
+
+    # ------------------------------------------------------------------ init
+    def init(self, key, value, root=0):
+        """Register ``key`` (or a list of keys) and overwrite ``value`` (an NDArray or a list
+        of copies on several devices) with rank ``root``'s value on every rank.
+
+        Pass all keys in one call (the Trainer does): the ranks' keys, shapes and dtypes are
+        compared first, in one exchange.
+
+        Raises:
+            DistributedError: the ranks' keys/shapes/dtypes differ (raised on every rank).
+            ValueError: a key already initialized.  TypeError: not NDArrays.
+        """
+        pairs = [(k, self._list(v, "value")) for k, v in self._keys(key, value)]
+        seen = set()
+        for k, vals in pairs:
+            if k in self._meta or k in seen:
+                raise ValueError(f"kvstore: key {k!r} is already initialized")
+            seen.add(k)
+            for v in vals[1:]:
+                if v.shape != vals[0].shape or v.dtype != vals[0].dtype:
+                    raise ValueError(f"kvstore: the copies of key {k!r} differ in shape/dtype: "
+                                     f"{vals[0].shape} {vals[0].dtype} vs {v.shape} {v.dtype}")
+        self._check_signature([(k, vals[0].shape, vals[0].dtype) for k, vals in pairs])
+        for k, vals in pairs:
+            self._meta[k] = (tuple(vals[0].shape), vals[0].dtype)
+        self._plan = None
+        if self._st.size > 1:
+            self._broadcast(pairs, root)
+        for k, vals in pairs:
+            v0 = vals[0]
+            self._store[k] = {v0.device: v0.copyto(v0.device)}
+
+    def _check_signature(self, sig):
+        st = self._st
+        if st.size == 1:
+            return
+        desc = [f"{k!r}: shape {tuple(s)} {np.dtype(d)}" for k, s, d in sig]
+        payload = "\n".join(desc).encode()
+        box = {}
+
+        def gather(comm):
+            lens = np.zeros(st.size, dtype=np.int64)
+            comm.Allgather(np.array([len(payload)], dtype=np.int64), lens)
+            recv = np.zeros(int(lens.sum()), dtype=np.uint8)
+            comm.Allgatherv(np.frombuffer(payload, dtype=np.uint8), [recv, lens])
+            offs = np.concatenate([[0], np.cumsum(lens)])
+            box["all"] = [bytes(recv[offs[r]:offs[r + 1]]).decode() for r in range(st.size)]
+
+        v = Var("dist.signature")
+        _backend.push_collective(gather, [], [v], "kv.check_parameters", len(payload))
+        _engine.wait_for(v)
+        mine = box["all"][0].split("\n") if box["all"][0] else []
+        problems = []
+        for r, text in enumerate(box["all"][1:], start=1):
+            other = text.split("\n") if text else []
+            if other == mine:
+                continue
+            msg = f"rank {r} has {len(other)} parameters, rank 0 has {len(mine)}"
+            for i, (a, b) in enumerate(zip(mine, other)):
+                if a != b:
+                    msg += f"; first difference at position {i}: rank 0 {a} vs rank {r} {b}"
+                    break
+            problems.append(msg)
+        if problems:
+            raise DistributedError(
+                "kvstore 'dist': the ranks' parameters differ (every rank must build the same "
+                "model and pass the same parameters to the Trainer): " + "; ".join(problems))
+
+    def _broadcast(self, pairs, root):
+        """Coalesced broadcast of ``root``'s values into every copy (buckets of bucket_bytes)."""
+        groups, cur = [], None
+        for k, vals in pairs:
+            nb = vals[0].size * vals[0].dtype.itemsize
+            if cur is None or cur[0] != vals[0].dtype or (cur[2] and cur[2] + nb > self.bucket_bytes):
+                cur = [vals[0].dtype, [], 0]
+                groups.append(cur)
+            cur[1].append((k, vals))
+            cur[2] += nb
+        for dt, members, nb in groups:
+            reads = [v._var for _, vals in members for v in vals[:1]]
+            writes = [v._var for _, vals in members for v in vals]
+
+            def bcast(comm, dt=dt, members=members):
+                n = sum(vals[0].size for _, vals in members)
+                buf = np.empty(n, dtype=dt)
+                off = 0
+                if self._st.rank == root:
+                    for _, vals in members:
+                        c = vals[0].size
+                        buf[off:off + c] = np.asarray(vals[0]._data).reshape(-1)
+                        off += c
+                comm.Bcast(buf, root=int(root))
+                off = 0
+                for _, vals in members:
+                    c = vals[0].size
+                    res = buf[off:off + c].reshape(vals[0].shape)
+                    for v in vals:
+                        v._data = res
+                    off += c
+
+            _backend.push_collective(bcast, reads, writes,
+                                     f"kv.broadcast[{len(members)} arrays]", nb)
+
+    # ------------------------------------------------------------------ buckets
+    def _get_plan(self):
+        if self._plan is not None:
+            return self._plan
+        plan, cur = [], None
+        for k in reversed(list(self._meta)):
+            shape, dt = self._meta[k]
+            nb = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+            if cur is None or cur.dtype != dt or (cur.n and cur.nbytes + nb > self.bucket_bytes):
+                cur = _Bucket(len(plan), dt)
+                plan.append(cur)
+            cur.add(k, shape)
+        for b in plan:
+            layout = f"{b.index}|{b.dtype}|" + "|".join(f"{k!r}{s}" for k, s in zip(b.keys, b.shapes))
+            b.tag = _backend.layout_tag(layout)
+            b.name = f"kv.allreduce[bucket {b.index}: {len(b.keys)} arrays, {b.nbytes / 2**20:.2f} MB]"
+        self._plan = plan
+        self._key_bucket = {k: b for b in plan for k in b.keys}
+        self._staged = {}
+        return plan
+
+    def _meta_of(self, k):
+        m = self._meta.get(k)
+        if m is None:
+            raise KeyError(f"kvstore: key {k!r} has not been initialized; call init({k!r}, "
+                           f"value) first")
+        return m
+
+    def _check(self, k, arrays, what):
+        shape, dt = self._meta_of(k)
+        for a in arrays:
+            if a.shape != shape:
+                raise ValueError(f"kvstore: {what} for key {k!r} has shape {a.shape}, the "
+                                 f"initialized value has shape {shape}")
+
+    def pushpull(self, key, value, out=None, priority=0):
+        """Sum ``value`` over all local copies and all ranks into ``out`` (default: in place).
+
+        Asynchronous: the bucket holding ``key`` is all-reduced by one engine op once every key
+        of the bucket has been pushed in this round (see the module docstring).
+
+        Raises:
+            KeyError: key not initialized.  ValueError: shape mismatch, or a key pushed again
+            before the other keys of its bucket were pushed.
+        """
+        if out is None:
+            out = value
+        self._get_plan()
+        for (k, v), (_, o) in zip(self._keys(key, value), self._keys(key, out)):
+            vals, outs = self._list(v, "value"), self._list(o, "out")
+            self._check(k, vals, "pushed value")
+            self._check(k, outs, "out")
+            b = self._key_bucket[k]
+            staged = self._staged.setdefault(b.index, {})
+            if k in staged:
+                missing = [x for x in b.keys if x not in staged]
+                raise ValueError(f"kvstore 'dist': key {k!r} pushed again before the rest of its "
+                                 f"bucket {b.index} (keys {missing} not pushed yet); push every "
+                                 f"initialized key once per step")
+            staged[k] = (vals, outs, priority)
+            if len(staged) == len(b.keys):
+                del self._staged[b.index]
+                self._launch(b, staged)
+
+    def _launch(self, b, staged):
+        st = self._st
+        keys = b.keys
+        items = [staged[k] for k in keys]
+        if st.size == 1 and all(len(vals) == 1 and outs == vals for vals, outs, _ in items):
+            return                  # one process, one copy, in place: the sum is the value
+        reads = [v._var for vals, _, _ in items for v in vals]
+        writes = [o._var for _, outs, _ in items for o in outs]
+        n, dt, tag, size = b.n, b.dtype, b.tag, st.size
+        extra = _backend.tag_values(tag, "sum", dt) if dt in (np.float32, np.float64) else None
+
+        def run(comm):
+            buf = np.empty(n + (2 if extra is not None else 0), dtype=dt)
+            for (vals, _, _), off, cnt in zip(items, b.offsets, b.counts):
+                seg = buf[off:off + cnt]
+                seg[...] = np.asarray(vals[0]._data).reshape(-1)
+                for v in vals[1:]:
+                    seg += np.asarray(v._data).reshape(-1)
+            if size > 1:
+                if extra is not None:
+                    buf[n:] = extra
+                comm.Allreduce(st.mpi.IN_PLACE, buf, op=st.mpi.SUM)
+                if extra is not None:
+                    _backend.check_tag(buf[n:], tag, "sum", size, f"gradient {b.name}")
+            for (_, outs, _), off, cnt, shp in zip(items, b.offsets, b.counts, b.shapes):
+                res = buf[off:off + cnt].reshape(shp)
+                for o in outs:
+                    o._data = res if o.dtype == dt else res.astype(o.dtype)
+
+        _backend.push_collective(run, reads, writes, b.name, b.nbytes,
+                                 priority=max(p for _, _, p in items))
+
+    # ------------------------------------------------------------------ push / pull
+    def push(self, key, value, priority=0):
+        """Sum ``value`` (local copies and all ranks) into the store (one collective per key;
+        the Trainer uses the bucketed :meth:`pushpull`).
+
+        Raises:
+            KeyError, ValueError: as :meth:`pushpull`.
+        """
+        from . import allreduce
+        for k, v in self._keys(key, value):
+            vals = self._list(v, "value")
+            self._check(k, vals, "pushed value")
+            local = vals[0]
+            if len(vals) > 1:
+                local = self._merge_to(vals, vals[0].device, priority)
+            total = allreduce(local, "sum")
+            stored = self._store.get(k)
+            if self._updater is not None and stored:
+                for d, s in stored.items():
+                    self._updater(k, total if d == total.device else total.copyto(d), s)
+            else:
+                self._store[k] = {total.device: total}
+
+    def pull(self, key, out=None, priority=0):
+        """Write the stored value of ``key`` (the last push, or the broadcast init value) into
+        every array of ``out``.
+
+        Raises:
+            KeyError: key not initialized.  ValueError: ``out`` missing or shape mismatch.
+        """
+        if out is None:
+            raise ValueError("kvstore.pull: out is required (the arrays to write into)")
+        for k, o in self._keys(key, out):
+            outs = self._list(o, "out")
+            self._check(k, outs, "out")
+            st = self._store[k]
+            first = next(iter(st.values()))
+            for a in outs:
+                src = st.get(a.device, first)
+
+                def copy(a=a, src=src):
+                    a._data = np.array(src._data, dtype=a.dtype, copy=True)
+                _engine.push(copy, [src._var], [a._var], ("copy", a.device), priority, "kv.pull")
+
+    def __repr__(self):
+        return (f"DistKVStore(rank={self.rank}, num_workers={self.num_workers}, "
+                f"keys={len(self._meta)}, bucket_bytes={self.bucket_bytes})")
+

@@ -1,0 +1,136 @@
+"""``hybridl launch -n N [options] -- COMMAND ...``: run COMMAND as N MPI processes (mpiexec).
+
+::
+
+    hybridl launch -n 2 -- hybridl train --distributed
+    hybridl launch -n 8 --hostfile hosts -- python train.py      # several machines
+
+It runs ``mpiexec -n N [-f/--hostfile FILE] COMMAND ...`` and returns the job's exit code.
+``mpiexec`` is looked up in this order: ``--mpiexec PATH``, ``$HYBRIDL_MPIEXEC``, next to the
+running Python (a virtual environment's ``bin/``, where the ``mpich`` wheel puts it), the
+``mpich`` wheel's own files, then ``PATH``. The folder of the running Python is put first on
+the job's ``PATH`` so that ``python`` and ``hybridl`` in COMMAND are this environment's.
+"""
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+__all__ = ["main", "find_mpiexec"]
+
+
+def find_mpiexec(explicit=None):
+    """Path of the ``mpiexec`` to use (see the module docstring), or None when there is none."""
+    for cand in (explicit, os.environ.get("HYBRIDL_MPIEXEC")):
+        if cand:
+            return cand if os.path.sep in cand else shutil.which(cand)
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.path.isfile(here) and os.access(here, os.X_OK):
+        return here
+    try:
+        from importlib import metadata
+        files = metadata.distribution("mpich").files or []
+        for f in files:
+            if f.name == "mpiexec":
+                p = str(f.locate())
+                if os.path.isfile(p) and os.access(p, os.X_OK):
+                    return p
+    except Exception:  # noqa: BLE001 - no mpich wheel
+        pass
+    return shutil.which("mpiexec") or shutil.which("mpirun")
+
+
+def _flavour(mpiexec):
+    """'openmpi', 'mpich' or 'unknown' (for the hostfile option's spelling)."""
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=10)
+        text = (out.stdout + out.stderr).lower()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+    if "open mpi" in text or "openrte" in text or "prrte" in text:
+        return "openmpi"
+    if "hydra" in text or "mpich" in text or "intel" in text:
+        return "mpich"
+    return "unknown"
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="hybridl launch",
+        description="Run a command as N MPI processes (wraps mpiexec); returns its exit code.",
+        epilog="example: hybridl launch -n 2 -- hybridl train --distributed")
+    p.add_argument("-n", "--np", dest="n", type=int, required=True, help="number of processes")
+    p.add_argument("--hostfile", default=None,
+                   help="machines to run on (MPICH/Intel: 'host:slots' lines; Open MPI: "
+                        "'host slots=N' lines)")
+    p.add_argument("--mpiexec", default=None, help="the mpiexec to use (default: found)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="collective timeout in seconds (sets HYBRIDL_DIST_TIMEOUT)")
+    p.add_argument("--dry-run", action="store_true", help="print the mpiexec command only")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    return p
+
+
+def main(argv=None):
+    """Entry point of ``hybridl launch``; returns the job's exit code (2: bad usage, 127: no
+    mpiexec)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = build_parser()
+    args = p.parse_args(argv)
+    cmd = list(args.command)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        p.print_usage(sys.stderr)
+        print("hybridl launch: error: no command given (e.g. hybridl launch -n 2 -- hybridl "
+              "train --distributed)", file=sys.stderr)
+        return 2
+    if args.n < 1:
+        print(f"hybridl launch: error: -n: expected a positive number of processes, got {args.n}",
+              file=sys.stderr)
+        return 2
+    mpiexec = find_mpiexec(args.mpiexec)
+    if not mpiexec or not os.path.exists(mpiexec):
+        print("hybridl launch: error: mpiexec not found (looked at --mpiexec, $HYBRIDL_MPIEXEC, "
+              f"{os.path.dirname(sys.executable)}, the mpich wheel and PATH). Install it with "
+              "`pip install 'hybridl[mpi]'` (mpi4py + the mpich wheel, which provides mpiexec), "
+              "or on a cluster load the site's MPI module and `pip install mpi4py`.",
+              file=sys.stderr)
+        return 127
+    full = [mpiexec, "-n", str(args.n)]
+    if args.hostfile:
+        if not os.path.isfile(args.hostfile):
+            print(f"hybridl launch: error: --hostfile: no such file: {args.hostfile!r}",
+                  file=sys.stderr)
+            return 2
+        full += (["--hostfile", args.hostfile] if _flavour(mpiexec) == "openmpi"
+                 else ["-f", args.hostfile])
+    full += cmd
+    env = dict(os.environ)
+    bindir = os.path.dirname(sys.executable)
+    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    if args.timeout is not None:
+        env["HYBRIDL_DIST_TIMEOUT"] = str(args.timeout)
+    if args.dry_run:
+        print(" ".join(full))
+        return 0
+    try:
+        proc = subprocess.Popen(full, env=env)
+    except OSError as e:
+        print(f"hybridl launch: error: cannot run {mpiexec!r}: {e}", file=sys.stderr)
+        return 127
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:       # forward Ctrl-C to mpiexec (it forwards to the ranks)
+        proc.send_signal(signal.SIGINT)
+        try:
+            return proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
