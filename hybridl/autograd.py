@@ -180,7 +180,13 @@ def _run_backward(heads, head_grads, retain_graph, create_graph, wanted=None):
         g = g[1]
         if x._grad_req == "add":
             g = M.add(x._grad, g)
-        x._grad._assign(g)
+        if type(x._grad) is nd.NDArray:
+            # above compute (priority 0): the gradient is bound as soon as it is computed, so
+            # its allreduce (kvstore 'dist'/'device') can start while backward of earlier
+            # layers still runs, instead of after all of backward (these ops are pushed last)
+            x._grad._assign(g, priority=1)
+        else:
+            x._grad._assign(g)
     return None
 
 

@@ -214,13 +214,13 @@ class NDArray:
 
     as_in_device = to
 
-    def _assign(self, src):
-        """Write ``src``'s value into this array (an engine write of this Var)."""
+    def _assign(self, src, priority=0):
+        """Write ``src``'s value into this array (an engine write of this Var, at ``priority``)."""
         if isinstance(src, NDArray):
             if src.shape != self.shape:
                 raise ValueError(f"assign: value of shape {src.shape} does not match destination "
                                  f"shape {self.shape}")
-            _assign_data(self, src)
+            _assign_data(self, src, priority)
         else:
             self[...] = src
 
@@ -415,7 +415,7 @@ def _copy_meta(src):
     return {"flops": 0.0, "bytes": 2.0 * nbytes}
 
 
-def _assign_data(dst, src):
+def _assign_data(dst, src, priority=0):
     """Engine op: dst's storage becomes src's value (cast to dst.dtype when they differ)."""
     dt = dst.dtype
 
@@ -423,7 +423,7 @@ def _assign_data(dst, src):
         d = src._data
         dst._data = d if d.dtype == dt else d.astype(dt)
 
-    _engine.push(assign, [src._var], [dst._var], dst.device, name="assign")
+    _engine.push(assign, [src._var], [dst._var], dst.device, priority, name="assign")
 
 
 def _tracked(x):
