@@ -99,16 +99,19 @@ def barrier():
     _engine.wait_for(v)
 
 
-def broadcast(x, root=0):
+def broadcast(x, root=0, check=True):
     """``root``'s value of ``x`` on every rank: a new NDArray (same shape, dtype, device),
     computed asynchronously (an engine op on the communication queue).
 
     Args:
         x (NDArray): on every rank, the same shape and dtype.
         root (int): the rank whose value is sent.
+        check (bool): compare the ranks' shape, dtype and root first (one 16-byte
+            collective; see :func:`allreduce`).
 
     Raises:
         TypeError: ``x`` is not an NDArray.  ValueError: ``root`` out of range.
+        DistributedError (at the sync point): the ranks' arguments differ.
     """
     _check_nd(x, "broadcast")
     st = _backend.init()
@@ -123,6 +126,9 @@ def broadcast(x, root=0):
     nbytes = int(x.size) * x.dtype.itemsize
 
     def bcast(comm):
+        if check:
+            _backend.check_layout(comm, f"broadcast(shape={x.shape}, dtype={x.dtype}, "
+                                        f"root={root})", "hl.distributed.broadcast")
         buf = np.array(x._data, dtype=x.dtype, order="C", copy=True)
         comm.Bcast(buf, root=int(root))
         out._data = buf
@@ -142,13 +148,13 @@ def allreduce(x, op="sum", check=True):
         x (NDArray): on every rank, the same shape and dtype.
         op (str): ``'sum'``, ``'mean'`` (sum / size; float dtypes), ``'max'``, ``'min'``,
             ``'prod'``.
-        check (bool): append two elements that let every rank verify the others reduced the
-            same shape and dtype (a clear :class:`DistributedError` on every rank instead of
-            silently mixed data); costs two elements per call.
+        check (bool): first compare the ranks' shape, dtype and op with one tiny collective
+            (16 bytes), so that a mismatch raises a clear :class:`DistributedError` on every
+            rank instead of a hang, a crash or mixed data; ``False`` saves that round trip.
 
     Raises:
         TypeError: ``x`` is not an NDArray.  ValueError: unknown ``op``, or ``'mean'`` of an
-        integer array.  DistributedError (at the sync point): ranks reduced different layouts.
+        integer array.  DistributedError (at the sync point): the ranks' arguments differ.
     """
     _check_nd(x, "allreduce")
     if op not in _OPS:
@@ -165,24 +171,17 @@ def allreduce(x, op="sum", check=True):
     mop = "sum" if op == "mean" else op
     dt = x.dtype
     n = int(x.size)
-    tag = None
-    if check and dt in (np.float32, np.float64, np.int32, np.int64):
-        tag = _backend.layout_tag(f"allreduce:{x.shape}:{dt}:{mop}")
-        extra = _backend.tag_values(tag, mop, dt)
-        if extra is None:
-            tag = None
     size = st.size
 
     def reduce(comm):
         MPI = st.mpi
-        buf = np.empty(n + (2 if tag is not None else 0), dtype=dt)
-        buf[:n] = np.asarray(x._data).reshape(-1)
-        if tag is not None:
-            buf[n:] = extra
+        if check:
+            _backend.check_layout(comm, f"allreduce(shape={x.shape}, dtype={dt}, op={op!r})",
+                                  "hl.distributed.allreduce")
+        buf = np.empty(n, dtype=dt)
+        buf[:] = np.asarray(x._data).reshape(-1)
         comm.Allreduce(MPI.IN_PLACE, buf, op=_backend.mpi_op(mop))
-        if tag is not None:
-            _backend.check_tag(buf[n:], tag, mop, size, f"allreduce of shape {x.shape} {dt}")
-        res = buf[:n].reshape(x.shape)
+        res = buf.reshape(x.shape)
         if op == "mean":
             res = res / dt.type(size)
         out._data = res

@@ -134,6 +134,10 @@ def init():
                     f"{st.thread_level}; at least MPI_THREAD_SERIALIZED is needed (collectives run "
                     f"on the engine's communication thread)")
             st.comm = MPI.COMM_WORLD.Dup()
+            try:                    # MPI errors raise (then abort with our message), not crash
+                st.comm.Set_errhandler(MPI.ERRORS_RETURN)
+            except Exception:  # noqa: BLE001
+                pass
             st.rank = st.comm.Get_rank()
             st.size = st.comm.Get_size()
             for v in _LOCAL_RANK_VARS:
@@ -216,10 +220,26 @@ def mpi_op(op):
     return {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}[op]
 
 
-def layout_tag(text):
-    """A small integer in [1, 61] identifying a layout string (same on every rank)."""
+def layout_tag(text, small=True):
+    """An integer identifying a layout string (same on every rank): in [1, 61] when ``small``
+    (for :func:`tag_values`), else a 31-bit hash."""
     import zlib
-    return zlib.crc32(text.encode()) % 61 + 1
+    h = zlib.crc32(text.encode())
+    return h % 61 + 1 if small else h & 0x7FFFFFFF
+
+
+def check_layout(comm, text, what):
+    """One tiny collective (``MPI_Allreduce`` MAX of (h, -h), h a hash of ``text``): every rank
+    raises DistributedError when the ranks' ``text`` differ, before any rank posts a
+    mismatched data collective (which MPI may answer with a hang, a truncation error or a
+    crash)."""
+    h = layout_tag(text, small=False)
+    buf = np.array([h, -h], dtype=np.int64)
+    comm.Allreduce(state.mpi.IN_PLACE, buf, op=state.mpi.MAX)
+    if buf[0] != h or buf[1] != -h:
+        raise DistributedError(f"{what}: the ranks called it with different arguments (this rank: "
+                               f"{text}); every rank must issue the same collectives with the "
+                               f"same shapes and dtypes, in the same order")
 
 
 def tag_values(tag, op, dtype):
