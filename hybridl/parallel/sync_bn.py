@@ -33,6 +33,12 @@ forward group. A gate whose group never completes (a device skipped) fails after
 ``SYNC_TIMEOUT_S`` seconds with an error naming the devices that did not arrive; a failed input
 fails the gate at once.
 
+Across processes (``hl.distributed`` initialized with several ranks): each group's gate is
+followed by one collective on the MPI communication queue that sums the process's partial
+sums (s, q, n forward; a, b, n backward) over all ranks, and the normalize / gradient ops wait
+for it instead, so the statistics span the global batch (every rank must run the same
+SyncBatchNorm layers in the same order, as for any collective).
+
 Requires the threaded engine (the naive engine runs each op at its push, before the other
 devices can arrive) and is not hybridizable (its devices meet between separate calls).
 """
@@ -64,7 +70,14 @@ class _Group:
         self.error = None
         self.gate = Var(f"sync_bn.{what}.gate")
         self.bwd = None
+        self.global_totals = None
         _engine.push(self._wait, [], [self.gate], _QUEUE, 0, f"sync_bn.{what}.gate")
+        dist = _dist_state()
+        if dist is not None:        # several processes: sum the partial sums over the ranks too
+            from ..distributed._backend import push_collective
+            local_gate, self.gate = self.gate, Var(f"sync_bn.{what}.gate_global")
+            push_collective(self._reduce_ranks, [local_gate], [self.gate],
+                            f"sync_bn.{what}.allreduce")
 
     def join(self, device, input_vars):
         if device in self.devices:
@@ -99,9 +112,34 @@ class _Group:
                     f"arrived within {SYNC_TIMEOUT_S:.0f} s (joined: {self.devices}); every "
                     f"device must run the layer in each step")
 
-    def totals(self):
+    def local_totals(self):
         parts = [self.partials[i] for i in range(self.k)]
         return [sum(p[j] for p in parts) for j in range(len(parts[0]))]
+
+    def totals(self):
+        return self.global_totals if self.global_totals is not None else self.local_totals()
+
+    def _reduce_ranks(self, comm):
+        """On the MPI communication queue: allreduce (sum) of this process's totals."""
+        from ..distributed._backend import state
+        loc = [np.atleast_1d(np.asarray(t, dtype=np.float64)) for t in self.local_totals()]
+        flat = np.concatenate([t.ravel() for t in loc])
+        comm.Allreduce(state.mpi.IN_PLACE, flat, op=state.mpi.SUM)
+        out, off = [], 0
+        for t, orig in zip(loc, self.local_totals()):
+            out.append(flat[off:off + t.size].reshape(np.shape(orig)))
+            off += t.size
+        self.global_totals = out
+
+
+def _dist_state():
+    """The MPI state when this process is one of several ranks (hl.distributed initialized)."""
+    import sys
+    mod = sys.modules.get("hybridl.distributed._backend")
+    if mod is None:
+        return None
+    st = mod.state
+    return st if st.initialized and st.size > 1 else None
 
 
 def _bshape(ndim, axis, c):
