@@ -209,9 +209,16 @@ def _train(args):
     train_set, test_set, size = _load_data(args)
     devices = args.devices or args.device
     shard = {}
+    local_batch = args.batch_size
     if dist is not None and dist.size() > 1:
+        # --batch-size stays the global batch: each rank takes batch / size samples of its
+        # shard per step (same shuffle on every rank: the loader's seed)
+        if args.batch_size % dist.size():
+            raise ValueError(f"--batch-size {args.batch_size} does not split evenly over "
+                             f"{dist.size()} processes; use a multiple of {dist.size()}")
+        local_batch = args.batch_size // dist.size()
         shard = dict(num_shards=dist.size(), shard_index=dist.rank())
-    train_loader = data.DataLoader(train_set, args.batch_size, shuffle=True, seed=args.seed,
+    train_loader = data.DataLoader(train_set, local_batch, shuffle=True, seed=args.seed,
                                    last_batch="discard" if (len(devices) > 1 or shard) else "keep",
                                    num_workers=args.num_workers, device=devices[0], **shard)
     test_loader = data.DataLoader(test_set, 256, num_workers=args.num_workers, device=devices[0])
@@ -223,7 +230,11 @@ def _train(args):
         from .parallel import train_multi_device
         return train_multi_device(args, net, train_loader, test_loader, devices, opt_params)
     net.initialize(device=devices[0])
-    if not args.no_hybridize:
+    if dist is not None and dist.size() > 1:
+        from . import autograd, nd
+        with autograd.predict_mode():       # finish deferred shapes, so that the Trainer
+            net(nd.zeros((1,) + tuple(train_set[0][0].shape), device=devices[0]))  # broadcasts
+    if not args.no_hybridize:                                          # rank 0's parameters
         net.hybridize()
     trainer = optim.Trainer(net.collect_params(), args.optimizer, opt_params,
                             kvstore="dist" if dist is not None and dist.size() > 1 else None)
@@ -239,10 +250,12 @@ def _train(args):
     last = hist[-1]
     if args.save and rank0:
         net.save_parameters(args.save)
+    nproc = dist.size() if dist is not None else 1
     if rank0:
         print(f"done: {args.model}/{args.dataset} test accuracy {last['test_acc']:.4f} after "
               f"{args.epochs} epoch(s) in {total:.1f} s "
-              f"({np.mean([h['samples_per_s'] for h in hist]):.0f} samples/s)"
+              f"({np.mean([h['samples_per_s'] for h in hist]) * nproc:.0f} samples/s"
+              + (f" over {nproc} processes" if nproc > 1 else "") + ")"
               + (f", parameters saved to {args.save}" if args.save and rank0 else ""), flush=True)
     return 0
 
