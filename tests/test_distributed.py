@@ -1,0 +1,365 @@
+"""hl.distributed: single-process behaviour (always), and 2-rank jobs under mpiexec (skipped when
+mpi4py or mpiexec is missing: ``pip install 'hybridl[mpi]'``).
+
+The MPI tests run small scripts with ``mpiexec -n 2`` in a subprocess and check values (2-rank
+training == single-process training on the same global batch), the overlap of gradient
+allreduce with backward in rank 0's profiler trace, and that mismatches and dead or hanging
+ranks end the job with an error within a bounded time.
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import hybridl as hl
+from hybridl import autograd, nn
+from hybridl import distributed as dist
+from hybridl.distributed.launch import find_mpiexec
+from hybridl.distributed.launch import main as launch_main
+
+# ============================================================================ single process
+
+
+def test_init_without_launcher_is_single_process():
+    env = {k: v for k, v in os.environ.items() if k not in dist._backend.LAUNCHER_VARS}
+    code = ("import sys, hybridl.distributed as d; r = d.init(); "
+            "print(r, d.rank(), d.size(), 'mpi4py.MPI' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["(0,", "1)", "0", "1", "False"]
+
+
+def test_collectives_single_process_are_copies():
+    x = hl.nd.array(np.arange(6, dtype=np.float32).reshape(2, 3))
+    for y in (dist.allreduce(x), dist.allreduce(x, "max"), dist.allreduce(x, "mean"),
+              dist.broadcast(x, root=0)):
+        assert y is not x and y.shape == x.shape and y.dtype == x.dtype
+        np.testing.assert_array_equal(y.asnumpy(), x.asnumpy())
+    dist.barrier()
+    with pytest.raises(ValueError, match="op"):
+        dist.allreduce(x, "median")
+    with pytest.raises(ValueError, match="root"):
+        dist.broadcast(x, root=1)
+    with pytest.raises(TypeError, match="NDArray"):
+        dist.allreduce(np.ones(3))
+
+
+def test_dist_kvstore_single_process_matches_plain_training():
+    def run(kvstore):
+        hl.random.seed(3)
+        net = nn.Sequential()
+        net.add(nn.Dense(8, in_units=5, activation="relu"), nn.Dense(3, in_units=8))
+        net.initialize()
+        tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
+                        kvstore=kvstore)
+        rng = np.random.default_rng(0)
+        for _ in range(3):
+            x = hl.nd.array(rng.standard_normal((6, 5)).astype(np.float32))
+            y = hl.nd.array(rng.integers(0, 3, 6).astype(np.float32))
+            with autograd.record():
+                loss = hl.loss.SoftmaxCrossEntropyLoss()(net(x), y)
+            loss.backward()
+            tr.step(6)
+        return [p.data().asnumpy() for p in net.collect_params().values()]
+
+    for a, b in zip(run(None), run("dist")):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_dist_kvstore_interface():
+    kv = hl.kv.create("dist_sync")
+    assert kv.rank == 0 and kv.num_workers == 1
+    w = [hl.nd.ones((4, 3)), hl.nd.ones((3,))]
+    kv.init([0, 1], w)
+    with pytest.raises(ValueError, match="already initialized"):
+        kv.init(0, w[0])
+    g = [hl.nd.full((4, 3), 2.0), hl.nd.full((3,), 5.0)]
+    kv.pushpull(1, g[1])
+    with pytest.raises(ValueError, match="pushed again"):
+        kv.pushpull(1, g[1])
+    kv.pushpull(0, g[0])
+    with pytest.raises(ValueError, match="shape"):
+        kv.pushpull(0, hl.nd.ones((2, 2)))
+    with pytest.raises(KeyError):
+        kv.pushpull(7, g[0])
+    kv.push(0, g[0])
+    out = hl.nd.zeros((4, 3))
+    kv.pull(0, out=out)
+    np.testing.assert_array_equal(out.asnumpy(), 2.0)
+    assert [b["keys"] for b in kv.buckets] == [[1, 0]]
+    with pytest.raises(ValueError, match="dist_async"):
+        hl.kv.create("dist_async")
+    with pytest.raises(ValueError, match="bucket_mb"):
+        dist.DistKVStore(bucket_mb=0)
+
+
+def test_launch_errors(capsys):
+    assert launch_main(["-n", "2", "--mpiexec", "/nonexistent/mpiexec", "--", "true"]) == 127
+    assert "mpiexec not found" in capsys.readouterr().err
+    assert launch_main(["-n", "2"]) == 2
+    assert "no command" in capsys.readouterr().err
+    assert launch_main(["-n", "0", "--", "true"]) == 2
+    assert launch_main(["-n", "3", "--mpiexec", sys.executable, "--dry-run", "--", "python",
+                        "x.py"]) == 0
+    assert capsys.readouterr().out.split()[1:] == ["-n", "3", "python", "x.py"]
+
+
+def test_timeout_setting():
+    old = dist.get_timeout()
+    try:
+        dist.set_timeout(5)
+        assert dist.get_timeout() == 5.0
+        with pytest.raises(ValueError, match="positive"):
+            dist.set_timeout(0)
+    finally:
+        dist.set_timeout(old)
+
+
+# ============================================================================ under mpiexec
+
+MPIEXEC = find_mpiexec()
+HAVE_MPI = importlib.util.find_spec("mpi4py") is not None and MPIEXEC is not None
+mpi = pytest.mark.skipif(not HAVE_MPI, reason="needs mpi4py and mpiexec (pip install "
+                                              "'hybridl[mpi]')")
+
+_TRAIN = """
+import sys
+import numpy as np
+import hybridl as hl
+from hybridl import distributed as dist, nn, autograd
+
+out, mode = sys.argv[1], sys.argv[2]
+rank, size = dist.init()
+hl.random.seed(0)
+if mode == "eq":
+    dims, steps, gb = (20, 32, 16, 10), 5, 32
+else:     # overlap: big enough layers that backward takes a while
+    dims, steps, gb = (256, 768, 768, 768, 768, 10), 3, 256
+net = nn.Sequential()
+for i in range(1, len(dims)):
+    net.add(nn.Dense(dims[i], in_units=dims[i - 1],
+                     activation="relu" if i < len(dims) - 1 else None))
+net.initialize()
+if rank == 1:        # rank 0's parameters must win (broadcast at the Trainer's init)
+    for p in net.collect_params().values():
+        p.set_data(hl.nd.ones(p.shape))
+kv = dist.DistKVStore(bucket_mb=0.001 if mode == "eq" else 1.0) if size > 1 else None
+trainer = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
+                     kvstore=kv)
+loss_fn = hl.loss.SoftmaxCrossEntropyLoss()
+rng = np.random.default_rng(1)
+X = rng.standard_normal((steps, gb, dims[0])).astype(np.float32)
+Y = rng.integers(0, dims[-1], (steps, gb)).astype(np.float32)
+lo, hi = rank * gb // size, (rank + 1) * gb // size
+prof = None
+for s in range(steps):
+    if mode == "overlap" and s == steps - 1:
+        hl.waitall()
+        prof = hl.profiler.profile().start()
+    x, y = hl.nd.array(X[s, lo:hi]), hl.nd.array(Y[s, lo:hi])
+    with autograd.record():
+        loss = loss_fn(net(x), y)
+    loss.backward()
+    trainer.step(hi - lo)
+hl.waitall()
+if prof is not None:
+    prof.stop()
+if rank == 0:
+    if prof is not None:
+        prof.export_chrome_trace(out)
+        print("buckets", len(kv.buckets))
+    else:
+        np.savez(out, *[p.data().asnumpy() for p in net.collect_params().values()])
+"""
+
+_FAIL = """
+import os, sys, time
+import numpy as np
+import hybridl as hl
+from hybridl import distributed as dist, nn, autograd
+
+mode = sys.argv[1]
+rank, size = dist.init()
+if mode == "shape":
+    x = hl.nd.ones((4,) if rank == 0 else (3,))
+    print(dist.allreduce(x).asnumpy())
+    sys.exit(0)
+units = 8 if (mode == "params" and rank == 1) else 16
+net = nn.Sequential()
+net.add(nn.Dense(units, in_units=4, activation="relu"), nn.Dense(2, in_units=units))
+net.initialize()
+trainer = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore="dist")
+loss_fn = hl.loss.SoftmaxCrossEntropyLoss()
+for s in range(5):
+    if s == 2 and rank == 1:
+        if mode == "die":
+            os._exit(3)
+        if mode == "hang":
+            time.sleep(1000)
+    x, y = hl.nd.ones((4, 4)), hl.nd.zeros((4,))
+    with autograd.record():
+        loss = loss_fn(net(x), y)
+    loss.backward()
+    trainer.step(4)
+hl.waitall()
+print("rank", rank, "finished")
+"""
+
+_SYNC_BN = """
+import sys
+import numpy as np
+import hybridl as hl
+from hybridl import distributed as dist, nn, autograd
+from hybridl.parallel import SyncBatchNorm
+rank, size = dist.init()
+rng = np.random.default_rng(0)
+X = rng.standard_normal((8, 3, 4, 4)).astype(np.float32)
+W = rng.standard_normal((8, 3, 4, 4)).astype(np.float32)
+lo, hi = rank * 8 // size, (rank + 1) * 8 // size
+bn = SyncBatchNorm(in_channels=3) if size > 1 else nn.BatchNorm(in_channels=3)
+bn.initialize()
+x = hl.nd.array(X[lo:hi])
+x.attach_grad()
+with autograd.record():
+    y = bn(x)
+    loss = (y * hl.nd.array(W[lo:hi])).sum()
+loss.backward()
+g = dist.allreduce(bn.gamma.grad())
+np.savez(sys.argv[1] + f"{rank}.npz", y=y.asnumpy(), dx=x.grad.asnumpy(), dgamma=g.asnumpy(),
+         rm=bn.running_mean.data().asnumpy())
+"""
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env.setdefault("HYBRIDL_DIST_TIMEOUT", "30")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _script(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return str(p)
+
+
+def _mpirun(args, n=2, timeout=60, **env):
+    t0 = time.perf_counter()
+    out = subprocess.run([MPIEXEC, "-n", str(n), *args], env=_env(**env), capture_output=True,
+                         text=True, timeout=timeout)
+    return out, time.perf_counter() - t0
+
+
+def _single(args, timeout=60):
+    env = {k: v for k, v in _env().items() if k not in dist._backend.LAUNCHER_VARS}
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@mpi
+def test_two_ranks_train_like_one_process_on_the_global_batch(tmp_path):
+    script = _script(tmp_path, "train.py", _TRAIN)
+    single = _single([script, str(tmp_path / "single.npz"), "eq"])
+    assert single.returncode == 0, single.stderr
+    out, _ = _mpirun([sys.executable, script, str(tmp_path / "dist.npz"), "eq"])
+    assert out.returncode == 0, out.stderr
+    a, b = np.load(tmp_path / "single.npz"), np.load(tmp_path / "dist.npz")
+    assert len(a.files) == 6
+    for k in a.files:
+        np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+@mpi
+def test_allreduce_of_last_layers_overlaps_backward_of_first_layers(tmp_path):
+    script = _script(tmp_path, "train.py", _TRAIN)
+    trace = tmp_path / "trace.json"
+    out, _ = _mpirun([sys.executable, script, str(trace), "overlap"], timeout=80)
+    assert out.returncode == 0, out.stderr
+    nb = int(out.stdout.split("buckets")[1].split()[0])
+    assert nb >= 3
+    ev = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    comm = sorted((e for e in ev if e["name"].startswith("kv.allreduce")), key=lambda e: e["ts"])
+    assert len(comm) == nb
+    assert all("comm" in e["args"]["device"] for e in comm)
+    compute = [e for e in ev if not e["name"].startswith(("kv.", "sgd"))
+               and "comm" not in e["args"].get("device", "")]
+    backward_end = max(e["ts"] + e["dur"] for e in compute)   # last op: first layer's backward
+    first = comm[0]
+    assert "bucket 0" in first["name"]
+    assert first["ts"] < backward_end, (first, backward_end)
+
+
+@mpi
+def test_sync_batch_norm_across_ranks_equals_batch_norm_on_the_global_batch(tmp_path):
+    script = _script(tmp_path, "sbn.py", _SYNC_BN)
+    single = _single([script, str(tmp_path / "s")])
+    assert single.returncode == 0, single.stderr
+    out, _ = _mpirun([sys.executable, script, str(tmp_path / "d")])
+    assert out.returncode == 0, out.stderr
+    s, d0, d1 = (np.load(tmp_path / f) for f in ("s0.npz", "d0.npz", "d1.npz"))
+    np.testing.assert_allclose(np.concatenate([d0["y"], d1["y"]]), s["y"], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.concatenate([d0["dx"], d1["dx"]]), s["dx"], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(d0["dgamma"], s["dgamma"], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(d1["rm"], s["rm"], rtol=1e-5, atol=1e-6)
+
+
+@mpi
+def test_mismatched_parameters_fail_on_every_rank(tmp_path):
+    script = _script(tmp_path, "fail.py", _FAIL)
+    out, dt = _mpirun([sys.executable, script, "params"])
+    assert out.returncode != 0
+    assert out.stderr.count("the ranks' parameters differ") >= 2, out.stderr
+    assert "shape (16, 4) float32 vs rank 1" in out.stderr
+    assert dt < 30
+
+
+@mpi
+def test_mismatched_collective_fails_on_every_rank(tmp_path):
+    script = _script(tmp_path, "fail.py", _FAIL)
+    out, dt = _mpirun([sys.executable, script, "shape"])
+    assert out.returncode != 0
+    assert out.stderr.count("DistributedError: hl.distributed.allreduce: the ranks called it "
+                            "with different arguments") >= 2, out.stderr
+    assert dt < 30
+
+
+@mpi
+def test_dead_rank_ends_the_job(tmp_path):
+    script = _script(tmp_path, "fail.py", _FAIL)
+    out, dt = _mpirun([sys.executable, script, "die"], HYBRIDL_DIST_TIMEOUT=2)
+    assert out.returncode != 0
+    assert "rank 0 finished" not in out.stdout
+    assert dt < 2 + 20
+
+
+@mpi
+def test_hanging_rank_aborts_the_job_after_the_timeout(tmp_path):
+    script = _script(tmp_path, "fail.py", _FAIL)
+    out, dt = _mpirun([sys.executable, script, "hang"], HYBRIDL_DIST_TIMEOUT=2)
+    assert out.returncode != 0
+    assert "has not completed after" in out.stderr and "HYBRIDL_DIST_TIMEOUT=2" in out.stderr
+    assert "kv.allreduce[bucket" in out.stderr
+    assert 2 <= dt < 2 + 20
+
+
+@mpi
+def test_launch_hybridl_train_distributed(tmp_path):
+    save = tmp_path / "lenet.safetensors"
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "hybridl", "launch", "-n", "2", "--",
+                          sys.executable, "-m", "hybridl", "train", "--distributed",
+                          "--epochs", "1", "--save", str(save)],
+                         env=_env(), capture_output=True, text=True, timeout=80)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("hybridl train:") == 1          # only rank 0 prints
+    assert out.stdout.count("done:") == 1 and "over 2 processes" in out.stdout
+    assert save.exists() and not list(tmp_path.glob(".*tmp*"))
+    assert time.perf_counter() - t0 < 80
