@@ -54,17 +54,19 @@ class Optimizer:
         """A dict name -> NumPy array of optimizer state for ``weight`` (an NDArray)."""
         return {n: np.zeros(weight.shape, weight.dtype) for n in self.state_names}
 
-    def _grad(self, g, w, wd):
-        g = g * w.dtype.type(self.rescale_grad) if self.rescale_grad != 1.0 else g
-        if self.clip_gradient is not None:
-            g = np.clip(g, -self.clip_gradient, self.clip_gradient)
+    def _grad(self, g, w, wd, rescale, clip):
+        g = g * w.dtype.type(rescale) if rescale != 1.0 else g
+        if clip is not None:
+            g = np.clip(g, -clip, clip)
         if wd:
             g = g + w.dtype.type(wd) * w
         return g
 
-    def step_kernel(self, w, g, state, lr, wd, t):
+    def step_kernel(self, w, g, state, lr, wd, t, rescale, clip):
         """NumPy update: returns the new weight (a new array; state arrays may be replaced in
-        ``state``). ``t`` is the 1-based update count of this parameter."""
+        ``state``). ``t`` is the 1-based update count of this parameter; ``rescale`` and
+        ``clip`` are the values of ``rescale_grad`` / ``clip_gradient`` when the update was
+        pushed (the op runs later: reading the attributes then would race with the frontend)."""
         raise NotImplementedError
 
     def update(self, weight, grad, state, lr_mult=1.0, wd_mult=1.0, priority=0):
@@ -73,12 +75,13 @@ class Optimizer:
         ``state`` is a dict {'t': int, 'arrays': {name: np.ndarray}, 'var': engine Var}.
         """
         lr, wd = self.lr * lr_mult, self.wd * wd_mult
+        rescale, clip = self.rescale_grad, self.clip_gradient
         state["t"] += 1
         t = state["t"]
         kern = self.step_kernel
 
         def update():
-            weight._data = kern(weight._data, grad._data, state["arrays"], lr, wd, t)
+            weight._data = kern(weight._data, grad._data, state["arrays"], lr, wd, t, rescale, clip)
 
         _engine.push(update, [grad._var], [weight._var, state["var"]], weight.device,
                      priority, f"{type(self).__name__.lower()}_update")
@@ -96,8 +99,8 @@ class SGD(Optimizer):
         self.momentum, self.nesterov = float(momentum), bool(nesterov)
         self.state_names = ("momentum",) if momentum else ()
 
-    def step_kernel(self, w, g, st, lr, wd, t):
-        g = self._grad(g, w, wd)
+    def step_kernel(self, w, g, st, lr, wd, t, rescale, clip):
+        g = self._grad(g, w, wd, rescale, clip)
         if self.momentum:
             buf = g.copy() if t == 1 else st["momentum"] * w.dtype.type(self.momentum) + g
             st["momentum"] = buf
@@ -118,13 +121,13 @@ class Adam(Optimizer):
                 raise ValueError(f"{n}: expected in [0, 1), got {b}")
         self.beta1, self.beta2, self.epsilon = float(beta1), float(beta2), float(epsilon)
 
-    def step_kernel(self, w, g, st, lr, wd, t):
+    def step_kernel(self, w, g, st, lr, wd, t, rescale, clip):
         dt = w.dtype.type
         if self.decoupled:
-            g = self._grad(g, w, 0.0)
+            g = self._grad(g, w, 0.0, rescale, clip)
             w = w * dt(1.0 - lr * wd)
         else:
-            g = self._grad(g, w, wd)
+            g = self._grad(g, w, wd, rescale, clip)
         b1, b2 = self.beta1, self.beta2
         m = st["mean"] * dt(b1) + g * dt(1 - b1)
         v = st["var"] * dt(b2) + np.square(g) * dt(1 - b2)
