@@ -1,0 +1,232 @@
+"""Multi-process (MPI) benchmark: data-parallel weak scaling, allreduce latency and bandwidth.
+
+    python benchmarks/distributed.py [--quick] [--json out.json]
+
+Needs mpi4py and mpiexec (``pip install 'hybridl[mpi]'``). The script is a driver: it runs
+itself under ``mpiexec -n 1`` and ``-n 2`` (worker mode) and prints the figures.
+
+1. Training throughput, weak scaling: every rank trains on its own batch of 64 synthetic
+   samples per step (MLP 784-512-256-10 and LeNet on 1x28x28, hybridized, SGD with momentum,
+   kvstore 'dist' with 2 ranks), ONE BLAS thread per rank (``OPENBLAS_NUM_THREADS=1`` and
+   ``hybridl.ops._blas.set_budget(1)``) so that N ranks use N cores. Throughput = global
+   samples/s; weak-scaling efficiency = throughput(N ranks) / (N x throughput(1 rank)); 100%
+   means communication is free (fully hidden behind compute or negligible).
+2. Allreduce (sum, float32) over 2 ranks vs message size: latency (median time of one call)
+   and bus bandwidth ``2 (n-1)/n x bytes / time`` (the traffic each rank sends in a ring
+   allreduce; NCCL-tests' definition), for mpi4py's ``Allreduce`` on NumPy arrays (the MPI
+   library alone) and for ``hl.distributed.allreduce`` (an engine op on the communication queue,
+   waited for: adds the push, the worker hand-over and the copies into a fresh buffer).
+
+Every measurement is repeated (``--trials``, median reported); on a shared, noisy machine the
+spread is printed too. Figures are of one small machine where ranks share memory: the
+"network" is shared-memory copies, so bandwidth is memcpy-bound, not link-bound.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+PER_RANK_BATCH = 64
+
+
+# ============================================================================ worker side
+
+
+def _worker_train(args):
+    from hybridl.ops import _blas
+    import hybridl as hl
+    from hybridl import autograd, distributed as dist, models, nn
+    rank, size = dist.init()
+    _blas.set_budget(1)
+    hl.random.seed(0)
+    if args.model == "mlp":
+        net = nn.HybridSequential()
+        net.add(nn.Flatten(), nn.Dense(512, in_units=784, activation="relu"),
+                nn.Dense(256, in_units=512, activation="relu"), nn.Dense(10, in_units=256))
+    else:
+        net = models.lenet(10, input_size=28)
+    net.initialize()
+    rng = np.random.default_rng(rank)
+    B = PER_RANK_BATCH
+    xs = [hl.nd.array(rng.standard_normal((B, 1, 28, 28)).astype(np.float32)) for _ in range(4)]
+    ys = [hl.nd.array(rng.integers(0, 10, B).astype(np.float32)) for _ in range(4)]
+    with autograd.predict_mode():
+        net(xs[0]).wait_to_read()        # deferred shapes, before the Trainer broadcasts
+    net.hybridize()
+    trainer = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.01, "momentum": 0.9},
+                         kvstore="dist" if size > 1 else None)
+    loss_fn = hl.loss.SoftmaxCrossEntropyLoss()
+
+    def step(i):
+        x, y = xs[i % 4], ys[i % 4]
+        with autograd.record():
+            loss = loss_fn(net(x), y)
+        loss.backward()
+        trainer.step(B)
+        return loss
+
+    for i in range(args.warmup):
+        step(i)
+    hl.waitall()
+    dist.barrier()
+    times = []
+    for _ in range(args.trials):
+        t0 = time.perf_counter()
+        for i in range(args.steps):
+            last = step(i)
+        last.wait_to_read()
+        hl.waitall()
+        dist.barrier()                  # the slowest rank sets the pace
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        sps = [size * B * args.steps / t for t in times]
+        with open(args.out, "w") as f:
+            json.dump({"model": args.model, "ranks": size, "samples_per_s": sps}, f)
+
+
+def _worker_allreduce(args):
+    import hybridl as hl
+    from hybridl import distributed as dist
+    from hybridl.distributed._backend import state
+    rank, size = dist.init()
+    MPI, comm = state.mpi, state.comm
+    res = []
+    for nbytes in args.sizes:
+        n = max(1, nbytes // 4)
+        a = np.ones(n, dtype=np.float32)
+        x = hl.nd.array(a)
+        reps = max(5, min(2000, int(2e8 / max(nbytes, 1) / 50)))
+        if args.quick:
+            reps = max(3, reps // 4)
+        out = {}
+        for name in ("mpi4py", "hybridl"):
+            def call(name=name):
+                if name == "mpi4py":
+                    comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
+                else:
+                    dist.allreduce(x, check=False).wait_to_read()
+            for _ in range(3):
+                call()
+            samples = []
+            for _ in range(args.trials):
+                comm.Barrier()
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    call()
+                samples.append((time.perf_counter() - t0) / reps)
+            # every rank's time: the job's time is the slowest rank's
+            worst = comm.allreduce(statistics.median(samples), op=MPI.MAX)
+            out[name] = worst
+        res.append({"bytes": n * 4, **out})
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"ranks": size, "allreduce": res}, f)
+
+
+# ============================================================================ driver side
+
+
+def _run(mpiexec, n, argv, timeout=600):
+    env = dict(os.environ)
+    env["OPENBLAS_NUM_THREADS"] = "1"
+    env["OMP_NUM_THREADS"] = "1"
+    env["MKL_NUM_THREADS"] = "1"
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    cmd = [mpiexec, "-n", str(n), sys.executable, os.path.abspath(__file__), "--worker",
+           *argv, "--out", out]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    with open(out) as f:
+        data = json.load(f)
+    os.unlink(out)
+    return data
+
+
+def _fmt_bytes(b):
+    for unit, s in (("MB", 2 ** 20), ("KB", 2 ** 10)):
+        if b >= s:
+            return f"{b / s:g} {unit}"
+    return f"{b} B"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer steps and sizes")
+    p.add_argument("--json", default=None)
+    p.add_argument("--worker", default=None, choices=("train", "allreduce"), help=argparse.SUPPRESS)
+    p.add_argument("--model", default="mlp")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--sizes", type=int, nargs="*", default=None)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if args.worker == "train":
+        return _worker_train(args)
+    if args.worker == "allreduce":
+        return _worker_allreduce(args)
+
+    from hybridl.distributed.launch import find_mpiexec
+    import importlib.util
+    mpiexec = find_mpiexec()
+    if mpiexec is None or importlib.util.find_spec("mpi4py") is None:
+        print("benchmarks/distributed.py: needs mpi4py and mpiexec (pip install 'hybridl[mpi]')")
+        return 1
+    from _common import machine_line
+    print(machine_line())
+    print(f"mpiexec: {mpiexec}; cores: {os.cpu_count()}; BLAS threads per rank: 1")
+    steps = 15 if args.quick else args.steps
+    trials = 3 if args.quick else args.trials
+    report = {"training": [], "allreduce": None}
+
+    print(f"\n1. Weak scaling: {PER_RANK_BATCH} samples per rank per step, {steps} steps x "
+          f"{trials} trials (median; min-max in brackets)")
+    print(f"{'model':<7}{'ranks':>6}{'samples/s':>12}{'range':>20}{'efficiency':>12}")
+    for model in ("mlp", "lenet"):
+        base = None
+        for n in (1, 2):
+            d = _run(mpiexec, n, ["train", "--model", model, "--steps", str(steps),
+                                  "--trials", str(trials)])
+            sps = d["samples_per_s"]
+            med = statistics.median(sps)
+            if n == 1:
+                base = med
+            eff = med / (n * base)
+            report["training"].append({"model": model, "ranks": n, "samples_per_s": med,
+                                       "min": min(sps), "max": max(sps), "efficiency": eff})
+            print(f"{model:<7}{n:>6}{med:>12.0f}{f'[{min(sps):.0f}-{max(sps):.0f}]':>20}"
+                  f"{eff * 100:>11.0f}%")
+
+    sizes = [4 * 4 ** i for i in range(0, 13)]          # 4 B .. 64 MB
+    if args.quick:
+        sizes = sizes[::2]
+    d = _run(mpiexec, 2, ["allreduce", "--trials", str(3 if args.quick else 5), "--sizes",
+                          *map(str, sizes)] + (["--quick"] if args.quick else []))
+    report["allreduce"] = d["allreduce"]
+    n = d["ranks"]
+    print(f"\n2. Allreduce (sum, float32) over {n} ranks: latency and bus bandwidth "
+          f"2(n-1)/n x bytes / time")
+    print(f"{'size':>10}{'mpi4py':>12}{'hybridl':>12}{'mpi4py GB/s':>13}{'hybridl GB/s':>14}")
+    for r in d["allreduce"]:
+        bw = [2 * (n - 1) / n * r["bytes"] / r[k] / 1e9 for k in ("mpi4py", "hybridl")]
+        print(f"{_fmt_bytes(r['bytes']):>10}{r['mpi4py'] * 1e6:>10.1f}us{r['hybridl'] * 1e6:>10.1f}us"
+              f"{bw[0]:>13.2f}{bw[1]:>14.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main() or 0)
