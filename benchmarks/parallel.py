@@ -10,6 +10,9 @@ asserted).
    cores; the serial run is measured with 1 BLAS thread and with all cores, and the speedup is
    reported against both and against the best serial configuration. Target: >= 1.7x on 2
    cores against the like-for-like serial run.
+3. Multi-branch network (hl.models.inception_net) hybridized, inference: one compiled program
+   vs the program split into parallel segments (``hybridize(parallel_segments=True)``, two
+   workers per device). Target: >= 1.3x at a batch where the branches are compute-heavy.
 2. Eager per-op overhead: ``x = x + 1`` on a tiny array, N times, then ``waitall()``: NumPy by
    hand, the threaded engine without and with ``hl.engine.bulk(n)`` (consecutive ops grouped
    into one engine task), with tiny-op inlining turned off (when the engine has it: every op
@@ -233,9 +236,58 @@ def report_overhead(nops, rounds, log):
 
 
 # ============================================================================ 3. multi-branch net
-# PLACEHOLDER (to be added by the engineer building the compiled-graph executor): hybridized
-# multi-branch network, hl.models.inception_net, executed with parallel segments vs as one
-# segment. Not measured here yet.
+
+_BRANCH_JOB = r"""
+import sys, time, json, statistics, numpy as np, hybridl as hl
+mode, batch, width, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+if mode == "segments":
+    hl.engine.set_num_workers(2)
+hl.random.seed(0)
+net = hl.models.inception_net(10, width=width)
+net.initialize()
+x = hl.nd.array(np.random.default_rng(0).random((batch, 3, 32, 32), dtype=np.float32))
+net(x).wait_to_read()
+net.hybridize(parallel_segments=(mode == "segments"))
+with hl.autograd.predict_mode():
+    y = net(x).asnumpy()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter(); net(x).wait_to_read(); ts.append(time.perf_counter() - t0)
+prog = net._last_program.fwd
+print(json.dumps({"s": statistics.median(ts), "segments": len(getattr(prog, "segments", [0])),
+                  "checksum": float(np.abs(y).sum())}))
+"""
+
+
+def multi_branch(batch, width, reps, rounds):
+    """Inference of hl.models.inception_net hybridized: one program (1 worker per device,
+    all cores for BLAS) vs parallel segments (2 workers, cores // 2 BLAS threads each).
+    Each configuration runs in a fresh process (thread pools are per process)."""
+    import subprocess
+    res = {"one segment": [], "parallel segments": []}
+    info = {}
+    for _ in range(rounds):
+        for mode, key in (("one", "one segment"), ("segments", "parallel segments")):
+            out = subprocess.run([sys.executable, "-c", _BRANCH_JOB, mode, str(batch), str(width),
+                                  str(reps)], capture_output=True, text=True, check=True).stdout
+            r = json.loads(out.strip().splitlines()[-1])
+            res[key].append(r["s"])
+            info[key] = r
+    return {k: statistics.median(v) for k, v in res.items()}, info
+
+
+def report_multi_branch(batch, width, reps, rounds, log):
+    log(f"\n3. multi-branch network (inception_net width {width}, batch {batch}, 3x32x32, "
+        f"inference, hybridized), median of {rounds} processes x {reps} calls")
+    med, info = multi_branch(batch, width, reps, rounds)
+    one, seg = med["one segment"], med["parallel segments"]
+    log(f"   one segment (1 worker, {CORES} BLAS threads)      {one * 1e3:9.1f} ms")
+    log(f"   parallel segments ({info['parallel segments']['segments']} segments, 2 workers) "
+        f"{seg * 1e3:9.1f} ms   speedup {one / seg:.2f}x (target >= 1.3x)")
+    same = abs(info["one segment"]["checksum"] - info["parallel segments"]["checksum"]) < 1e-3 * (
+        1 + info["one segment"]["checksum"])
+    log(f"   outputs equal: {same}")
+    return {"one_segment_s": one, "parallel_segments_s": seg, "speedup": one / seg}
 
 
 def main(argv=None):
@@ -244,6 +296,8 @@ def main(argv=None):
     ap.add_argument("--sizes", default="256,512,1024", help="matrix sizes (default 256,512,1024)")
     ap.add_argument("--ops", type=int, default=4000, help="tiny ops per overhead run (4000)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
+    ap.add_argument("--branch-batch", type=int, default=32, help="multi-branch batch (32)")
+    ap.add_argument("--branch-width", type=int, default=32, help="inception_net width (32)")
     a = ap.parse_args(argv)
     sizes = [int(s) for s in a.sizes.split(",") if s.strip()]
     log = print
@@ -254,10 +308,12 @@ def main(argv=None):
     warm_queues([hl.cpu(0), hl.cpu(1)])
     chains = report_two_chains(sizes, a.rounds, log)
     overhead = report_overhead(a.ops, a.rounds, log)
+    branches = report_multi_branch(a.branch_batch, a.branch_width, 5, max(3, a.rounds // 2), log)
     log(f"load average {os.getloadavg()[0]:.1f} at end")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"cores": CORES, "two_chains": chains, "per_op_overhead": overhead}, f, indent=1)
+            json.dump({"cores": CORES, "two_chains": chains, "per_op_overhead": overhead,
+                       "multi_branch": branches}, f, indent=1)
     return 0
 
 
