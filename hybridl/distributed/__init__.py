@@ -178,9 +178,13 @@ def allreduce(x, op="sum", check=True):
         if check:
             _backend.check_layout(comm, f"allreduce(shape={x.shape}, dtype={dt}, op={op!r})",
                                   "hl.distributed.allreduce")
+        src = np.asarray(x._data)
         buf = np.empty(n, dtype=dt)
-        buf[:] = np.asarray(x._data).reshape(-1)
-        comm.Allreduce(MPI.IN_PLACE, buf, op=_backend.mpi_op(mop))
+        if src.dtype == dt and src.flags.c_contiguous:     # out of place: no packing copy
+            comm.Allreduce(src.reshape(-1), buf, op=_backend.mpi_op(mop))
+        else:
+            buf[:] = src.reshape(-1)
+            comm.Allreduce(MPI.IN_PLACE, buf, op=_backend.mpi_op(mop))
         res = buf.reshape(x.shape)
         if op == "mean":
             res = res / dt.type(size)
