@@ -204,10 +204,11 @@ class BatchNorm(HybridBlock):
         return (self.gamma, self.beta, self.running_mean, self.running_var)
 
     def forward(self, x):
-        if not self.gamma._shape_known():
+        if not self.gamma._shape_known() or not self.running_var._shape_known():
             c = x.shape[self._axis]
-            for p in self._params():
-                p._finish_deferred_init((c,))
+            for p in self._params():        # each one: gamma.set_data() may have finished
+                if not p._shape_known():    # only gamma's deferred shape
+                    p._finish_deferred_init((c,))
         g, b, rm, rv = (_data(p, x) for p in self._params())
         return F.batch_norm(x, g, b, rm, rv, self._eps, self._momentum, autograd.is_training(),
                             self._axis)
@@ -228,9 +229,10 @@ class LayerNorm(HybridBlock):
                               grad_req="write" if center else "null")
 
     def forward(self, x):
-        if not self.gamma._shape_known():
-            self.gamma._finish_deferred_init((x.shape[-1],))
-            self.beta._finish_deferred_init((x.shape[-1],))
+        if not self.gamma._shape_known() or not self.beta._shape_known():
+            for p in (self.gamma, self.beta):
+                if not p._shape_known():
+                    p._finish_deferred_init((x.shape[-1],))
         return F.layer_norm(x, _data(self.gamma, x), _data(self.beta, x), self._eps)
 
 
