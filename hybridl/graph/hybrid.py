@@ -196,7 +196,11 @@ class _Cache:
 
 def _run(entry, args):
     dev = args[0].device if args else None
-    pvals = [p.data(dev) for p in entry.params]
+    pvals = []
+    for p in entry.params:
+        d = p._data
+        a = d.get(dev) if d is not None else None
+        pvals.append(a if a is not None else p.data(dev))
     if entry.fwd.op is None:
         outs = entry.fwd.run(list(args) + pvals)
     else:
@@ -213,12 +217,11 @@ def _run(entry, args):
 
 def call_cached(block, args):
     """Run ``block`` hybridized on ``args`` (NDArrays): look up or build the program."""
-    from ..nn.block import STRUCTURE_VERSION
     cache = block.__dict__.get("_hcache")
-    if cache is None or block._cached is None or cache.version != STRUCTURE_VERSION[0]:
+    if cache is None or block._cached is None or cache.version != _trace.STRUCTURE_VERSION[0]:
         cache = _Cache() if cache is None else cache
         cache.entries = {}
-        cache.version = STRUCTURE_VERSION[0]
+        cache.version = _trace.STRUCTURE_VERSION[0]
         object.__setattr__(block, "_hcache", cache)
         object.__setattr__(block, "_cached", cache.entries)
     sig = _signature(args)

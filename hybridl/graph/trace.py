@@ -4,6 +4,10 @@ import threading
 
 _tls = threading.local()
 
+# Incremented whenever any block gains a child (hybridl.nn.block): a hybridized block compares
+# it with the value its programs were built at, so adding a grandchild invalidates the parent.
+STRUCTURE_VERSION = [0]
+
 
 def is_tracing():
     """Whether this thread is tracing a program."""

@@ -16,9 +16,7 @@ from .parameter import DeferredInitializationError, Parameter, ParameterDict
 
 __all__ = ["Block", "HybridBlock", "Sequential", "HybridSequential"]
 
-# Incremented whenever any block gains a child: a hybridized block compares it with the value
-# its programs were built at, so adding a grandchild also invalidates the parent's cache.
-STRUCTURE_VERSION = [0]
+from ..graph.trace import STRUCTURE_VERSION  # noqa: E402  (bumped when a child is added)
 
 
 class Block:
@@ -239,8 +237,8 @@ class HybridBlock(Block):
 
     def __call__(self, *args, **kwargs):
         if self._active and not kwargs:
-            from ..graph import hybrid, trace
-            if not trace.is_tracing():          # inside another trace: inline the forward
+            from ..graph import hybrid, trace   # (cached in sys.modules after the first call)
+            if trace._tls.__dict__.get("ctx") is None:   # inside another trace: inline it
                 return hybrid.call_cached(self, args)
         return self.forward(*args, **kwargs)
 

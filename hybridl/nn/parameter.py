@@ -4,6 +4,7 @@ from collections import OrderedDict
 
 from .. import init as _init
 from ..device import Device, cpu
+from ..graph import trace as _trace
 from ..ops._util import as_dtype
 
 __all__ = ["Parameter", "ParameterDict", "DeferredInitializationError"]
@@ -129,13 +130,16 @@ class Parameter:
         Raises:
             RuntimeError: not initialized.  ValueError: no copy on ``device``.
         """
-        from ..graph import trace as _trace
-        t = _trace.current_param_value(self, device)
-        if t is not None:
-            return t
-        self._check_init()
+        if _trace._tls.__dict__.get("ctx") is not None:
+            return _trace.current_param_value(self, device)
+        d = self._data
+        if d is None:
+            self._check_init()
         if device is None:
-            return next(iter(self._data.values()))
+            return next(iter(d.values()))
+        arr = d.get(device)            # fast path: a Device key
+        if arr is not None:
+            return arr
         dev = Device.parse(device)
         arr = self._data.get(dev)
         if arr is None:
@@ -213,11 +217,6 @@ class Parameter:
 
     def __repr__(self):
         return f"Parameter {self.name} (shape={self._shape}, dtype={self.dtype})"
-
-
-def _tracing():
-    from ..graph import trace as _trace
-    return _trace.is_tracing()
 
 
 def _devices(device):
