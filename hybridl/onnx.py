@@ -206,6 +206,15 @@ def _conv_fc(c, node, ins, outs):
     xs = _cast_ins(c, node, ins, dt)
     x, w, b = xs[0], xs[1], (xs[2] if len(xs) > 2 else None)
     flatten = node.attrs.get("flatten", True)
+    if node.attrs.get("act") == "relu":         # fused activation: FC into a temp, then Relu
+        tmp = [c.fresh("fc")]
+        _conv_fc_plain(c, node, x_sym, dt, x, w, b, flatten, tmp)
+        c.node("Relu", tmp, outs)
+        return
+    _conv_fc_plain(c, node, x_sym, dt, x, w, b, flatten, outs)
+
+
+def _conv_fc_plain(c, node, x_sym, dt, x, w, b, flatten, outs):
     if flatten and len(x_sym.shape) != 2:
         x = c.one("Flatten", [x], axis=1)
     if flatten or len(x_sym.shape) == 2:

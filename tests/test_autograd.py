@@ -185,6 +185,9 @@ def test_grad_dot(sa, sb):
 def test_grad_fully_connected(xs, ws, flatten):
     check_grad(lambda x, w, b: nd.fully_connected(x, w, b, flatten=flatten), U(*xs), U(*ws), U(ws[0]))
     check_grad(lambda x, w: nd.fully_connected(x, w, flatten=flatten), U(*xs), U(*ws))
+    # fused relu: gradient and value equal the unfused pair
+    check_grad(lambda x, w, b: nd.fully_connected(x, w, b, flatten=flatten, act="relu"),
+               U(*xs), U(*ws), U(ws[0]))
 
 
 # ============================================================================ shape ops
@@ -588,3 +591,12 @@ def test_grad_maximum_ties_split_and_size0():
     y.backward()
     assert a.grad.shape == (0, 3)
     np.testing.assert_array_equal(b.grad.asnumpy(), [[3.0, 3.0, 3.0]])
+
+
+def test_fully_connected_fused_relu_equals_relu_of_fc():
+    rng = np.random.default_rng(3)
+    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((5, 7), (4, 7), (4,)))
+    got = nd.fully_connected(nd.array(x), nd.array(w), nd.array(b), act="relu").asnumpy()
+    np.testing.assert_allclose(got, np.maximum(x @ w.T + b, 0), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="act"):
+        nd.fully_connected(nd.array(x), nd.array(w), act="gelu")

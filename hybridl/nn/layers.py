@@ -62,6 +62,10 @@ class Dense(HybridBlock):
             for s in (x.shape[1:] if self._flatten else x.shape[-1:]):
                 in_units *= s
             self.weight._finish_deferred_init((self._units, in_units))
+        if self._act_name == "relu":         # fused into the dense kernel
+            return F.fully_connected(x, _data(self.weight, x),
+                                     None if self.bias is None else _data(self.bias, x),
+                                     self._flatten, act="relu")
         y = F.fully_connected(x, _data(self.weight, x),
                               None if self.bias is None else _data(self.bias, x), self._flatten)
         return self._act(y) if self._act else y

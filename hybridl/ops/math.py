@@ -729,8 +729,10 @@ def dot(a, b):
     return reshape(matmul(a2, b2), a.shape[:-1] + b.shape[1:])
 
 
-def _fc_infer(x, w, *b, flatten=True):
+def _fc_infer(x, w, *b, flatten=True, act=None):
     name = "fully_connected"
+    if act not in (None, "relu"):
+        raise ValueError(f"{name}: act must be None or 'relu', got {act!r}")
     if len(w.shape) != 2:
         raise ValueError(f"{name}: weight must be 2-D (units, in_units), got shape {w.shape}")
     k = numel(x.shape[1:]) if flatten else x.shape[-1]
@@ -743,12 +745,14 @@ def _fc_infer(x, w, *b, flatten=True):
     return [(out, promote(x.dtype, w.dtype))]
 
 
-def _fc_kernel(x, w, b=None, flatten=True, out=None):
+def _fc_kernel(x, w, b=None, flatten=True, act=None, out=None):
     x2 = x.reshape(x.shape[0], -1) if flatten else x.reshape(-1, x.shape[-1])
     _blas.for_gemm(x2.shape[0], w.shape[0], x2.shape[1])
     y = np.matmul(x2, w.T, out=None if out is None else out.reshape(x2.shape[0], w.shape[0]))
     if b is not None:
         y += b
+    if act is not None:                     # fused activation: one pass less, one op less
+        np.maximum(y, 0, out=y)
     oshape = (x.shape[0], w.shape[0]) if flatten else x.shape[:-1] + (w.shape[0],)
     return y.reshape(oshape) if out is None else out
 
@@ -756,6 +760,8 @@ def _fc_kernel(x, w, b=None, flatten=True, out=None):
 def _g_fc(c, g):
     x, w = c.inputs[0], c.inputs[1]
     flatten = c.attrs["flatten"]
+    if c.attrs.get("act") == "relu":
+        g = relu_grad(g, c.outputs[0])
     k = w.shape[1]
     x2 = _rs(x, (x.shape[0], k) if flatten else (-1, k))
     g2 = _rs(g, (-1, w.shape[0]))
@@ -776,18 +782,22 @@ def _fc_cost(in_shapes, out_shapes, itemsize, **a):
 FC = register("fully_connected", _fc_kernel, _fc_infer, _g_fc, _fc_cost)
 
 
-def fully_connected(x, weight, bias=None, flatten=True):
-    """Dense layer ``y = x @ weight.T + bias`` (MXNet FullyConnected, PyTorch linear).
+def fully_connected(x, weight, bias=None, flatten=True, act=None):
+    """Dense layer ``y = act(x @ weight.T + bias)`` (MXNet FullyConnected, PyTorch linear).
 
     Shapes: x (N, ...) flattened to (N, in_units) when ``flatten`` else (..., in_units);
     weight (units, in_units); bias (units,); y (N, units) or (..., units).
+    ``act``: None or 'relu' (fused into the same kernel: one op instead of two).
 
     Raises:
-        ValueError: in_units mismatch or wrong bias shape (names the shapes).
+        ValueError: in_units mismatch, wrong bias shape (names the shapes), unknown act.
     """
+    attrs = {"flatten": bool(flatten)}
+    if act is not None:
+        attrs["act"] = act
     if bias is None:
-        return apply(FC, x, weight, flatten=bool(flatten))
-    return apply(FC, x, weight, bias, flatten=bool(flatten))
+        return apply(FC, x, weight, **attrs)
+    return apply(FC, x, weight, bias, **attrs)
 
 
 # ============================================================================ shape ops
