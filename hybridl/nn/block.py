@@ -149,7 +149,9 @@ class Block:
             if name not in loaded:
                 continue
             val = loaded[name]
-            if p.shape is not None and p._shape_known() and tuple(val.shape) != p.shape:
+            shp = p.shape       # may hold 0 for a dimension still to be inferred (deferred)
+            if shp is not None and (len(shp) != val.ndim or
+                                    any(a and a != b for a, b in zip(shp, val.shape))):
                 raise ValueError(f"load_parameters: parameter {name!r} has shape {p.shape} in the "
                                  f"network but {tuple(val.shape)} in {path!r}")
         for name, p in params.items():
