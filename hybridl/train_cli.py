@@ -201,6 +201,10 @@ def main_train(argv=None):
 def _train(args):
     from . import data, optim
     _setup(args)
+    if args.save:                 # fail before training, not after it
+        d = os.path.dirname(os.path.abspath(args.save))
+        if not os.path.isdir(d):
+            raise FileNotFoundError(f"--save: directory {d!r} does not exist")
     dist = None
     if args.distributed:
         from . import distributed as dist
