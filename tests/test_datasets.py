@@ -59,6 +59,9 @@ def _shared_mnist():
     cands = []
     if os.environ.get("HYBRIDL_DATA"):
         cands.append(os.path.join(os.environ["HYBRIDL_DATA"], "mnist"))
+    # the project's shared folder sits beside the checkout (CI: a fresh clone with shared/ beside)
+    here = os.path.dirname(os.path.abspath(__file__))
+    cands.append(os.path.join(here, "..", "..", "shared", "datasets", "mnist"))
     cands.append("/work/shared/datasets/mnist")
     for c in cands:
         if all(os.path.isfile(os.path.join(c, f)) for f in FILES):
