@@ -44,37 +44,8 @@ import hybridl as hl  # noqa: E402
 CORES = os.cpu_count() or 1
 
 
-@contextlib.contextmanager
-def blas_threads(n):
-    """Run with ``n`` BLAS threads per GEMM: threadpoolctl's process-wide limit and, when the
-    ops set the BLAS thread count per GEMM (``hybridl.ops._blas``), that budget too."""
-    try:
-        from hybridl.ops import _blas
-        old = _blas.budget()
-    except (ImportError, AttributeError):
-        _blas, old = None, None
-    try:
-        from threadpoolctl import threadpool_limits
-        limit = threadpool_limits(limits=n, user_api="blas")
-    except ImportError:
-        limit = contextlib.nullcontext()
-    with limit:
-        if _blas is not None:
-            _blas.set_budget(n)
-        try:
-            yield
-        finally:
-            if _blas is not None:
-                _blas.set_budget(old)
 
 
-def warm_queues(devices):
-    """Start every worker (and its copy queue) before timing: creating a queue changes the
-    engine's BLAS budget, which must not happen inside a measured configuration."""
-    for d in devices:
-        a = hl.nd.ones((2, 2), device=d)
-        (a + 1).copyto(devices[0]).copyto(d).wait_to_read()
-    hl.waitall()
 
 
 # ============================================================================ 1. two chains
@@ -117,11 +88,11 @@ def two_chains(n, steps, rounds):
     times = {(name, th): [] for name, _, th in configs}
     cpu = {(name, th): [] for name, _, th in configs}
     for name, fn, th in configs:                               # warm-up
-        with blas_threads(th):
+        with hl.engine.blas_threads(th):
             fn()
     for _ in range(rounds):
         for name, fn, th in configs:
-            with blas_threads(th):
+            with hl.engine.blas_threads(th):
                 hl.waitall()
                 c0, t0 = time.process_time(), time.perf_counter()
                 fn()
@@ -305,7 +276,7 @@ def main(argv=None):
     log(f"hybridl parallel benchmark: {CORES} cores, engine {eng.name} "
         f"({getattr(eng, 'num_workers', 1)} worker(s) per device), load average "
         f"{os.getloadavg()[0]:.1f} at start")
-    warm_queues([hl.cpu(0), hl.cpu(1)])
+    hl.engine.start_workers([hl.cpu(0), hl.cpu(1)])
     chains = report_two_chains(sizes, a.rounds, log)
     overhead = report_overhead(a.ops, a.rounds, log)
     branches = report_multi_branch(a.branch_batch, a.branch_width, 5, max(3, a.rounds // 2), log)

@@ -63,36 +63,8 @@ def measure(engine, x, w, iters, work):
     return t_loop, t_total - t_loop
 
 
-@contextlib.contextmanager
-def blas_threads(n):
-    """Run with ``n`` BLAS threads per GEMM: threadpoolctl's process-wide limit and, when the
-    ops set the BLAS thread count per GEMM (``hybridl.ops._blas``), that budget too."""
-    try:
-        from hybridl.ops import _blas
-        old = _blas.budget()
-    except (ImportError, AttributeError):
-        _blas, old = None, None
-    try:
-        from threadpoolctl import threadpool_limits
-        limit = threadpool_limits(limits=n, user_api="blas")
-    except ImportError:
-        limit = contextlib.nullcontext()
-    with limit:
-        if _blas is not None:
-            _blas.set_budget(n)
-        try:
-            yield
-        finally:
-            if _blas is not None:
-                _blas.set_budget(old)
 
 
-def warm_queues(devices):
-    """Start the workers (and copy queues) of ``devices`` before timing: a new queue changes
-    the engine's BLAS thread budget, which must not happen inside a measurement."""
-    for d in devices:
-        (hl.nd.ones((2, 2), device=d) + 1).copyto(devices[0]).copyto(d).wait_to_read()
-    hl.waitall()
 
 
 def run(iters=60, n=384, work=40_000, repeat=3, log=print):
@@ -100,8 +72,8 @@ def run(iters=60, n=384, work=40_000, repeat=3, log=print):
     rng = np.random.default_rng(0)
     x = hl.nd.array(rng.standard_normal((n, n)).astype(np.float32) / n ** 0.5)
     w = hl.nd.array(rng.standard_normal((n, n)).astype(np.float32) / n ** 0.5)
-    warm_queues([hl.cpu(0)])
-    with blas_threads(1):
+    hl.engine.start_workers([hl.cpu(0)])
+    with hl.engine.blas_threads(1):
         loop(x, w, 3, 0).wait_to_read()                 # warm up the worker and BLAS
         t1s, t2s, res = [], [], {"threaded": [], "naive": []}
         for _ in range(repeat):

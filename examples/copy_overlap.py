@@ -16,7 +16,6 @@ Prints median seconds for compute only, copies only, sequential (compute, wait, 
 overlapped, and — from a profiled run — how much of the copy time overlapped with compute.
 """
 import argparse
-import contextlib
 import os
 import statistics
 import time
@@ -69,42 +68,14 @@ def overlap_seconds(events, queue_a, queue_b):
     return tot
 
 
-@contextlib.contextmanager
-def blas_threads(n):
-    """Run with ``n`` BLAS threads per GEMM: threadpoolctl's process-wide limit and, when the
-    ops set the BLAS thread count per GEMM (``hybridl.ops._blas``), that budget too."""
-    try:
-        from hybridl.ops import _blas
-        old = _blas.budget()
-    except (ImportError, AttributeError):
-        _blas, old = None, None
-    try:
-        from threadpoolctl import threadpool_limits
-        limit = threadpool_limits(limits=n, user_api="blas")
-    except ImportError:
-        limit = contextlib.nullcontext()
-    with limit:
-        if _blas is not None:
-            _blas.set_budget(n)
-        try:
-            yield
-        finally:
-            if _blas is not None:
-                _blas.set_budget(old)
 
 
-def warm_queues(devices):
-    """Start the workers (and copy queues) of ``devices`` before timing: a new queue changes
-    the engine's BLAS thread budget, which must not happen inside a measurement."""
-    for d in devices:
-        (hl.nd.ones((2, 2), device=d) + 1).copyto(devices[0]).copyto(d).wait_to_read()
-    hl.waitall()
 
 
 def run(m=1536, k=32, steps=12, repeat=5, trace=None, log=print):
     """Run the experiment; returns a dict of median seconds (and the overlap fraction)."""
     d0, d1 = hl.cpu(0), hl.cpu(1)
-    warm_queues([d0, d1])
+    hl.engine.start_workers([d0, d1])
     rng = np.random.default_rng(0)
     a_list = [hl.nd.array(rng.standard_normal((m, k)).astype(np.float32), device=d0)
               for _ in range(steps)]
@@ -129,7 +100,7 @@ def run(m=1536, k=32, steps=12, repeat=5, trace=None, log=print):
         for y in compute(a_list, b):
             y.copyto(d1)                 # queued on the copy worker of cpu(1), returns at once
 
-    with blas_threads(1):
+    with hl.engine.blas_threads(1):
         res = {"compute": timed(compute_only, repeat), "copy": timed(copy_only, repeat),
                "sequential": timed(sequential, repeat), "overlapped": timed(overlapped, repeat)}
         with hl.profiler.profile() as prof:

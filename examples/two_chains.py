@@ -15,7 +15,6 @@ cores (the best a single queue can do), so the speedup is not an artefact of ove
 Prints the median time of each configuration (seconds) and the speedups.
 """
 import argparse
-import contextlib
 import os
 import statistics
 import time
@@ -53,36 +52,8 @@ def timed(fn, repeat):
     return statistics.median(ts)
 
 
-@contextlib.contextmanager
-def blas_threads(n):
-    """Run with ``n`` BLAS threads per GEMM: threadpoolctl's process-wide limit and, when the
-    ops set the BLAS thread count per GEMM (``hybridl.ops._blas``), that budget too."""
-    try:
-        from hybridl.ops import _blas
-        old = _blas.budget()
-    except (ImportError, AttributeError):
-        _blas, old = None, None
-    try:
-        from threadpoolctl import threadpool_limits
-        limit = threadpool_limits(limits=n, user_api="blas")
-    except ImportError:
-        limit = contextlib.nullcontext()
-    with limit:
-        if _blas is not None:
-            _blas.set_budget(n)
-        try:
-            yield
-        finally:
-            if _blas is not None:
-                _blas.set_budget(old)
 
 
-def warm_queues(devices):
-    """Start the workers (and copy queues) of ``devices`` before timing: a new queue changes
-    the engine's BLAS thread budget, which must not happen inside a measurement."""
-    for d in devices:
-        (hl.nd.ones((2, 2), device=d) + 1).copyto(devices[0]).copyto(d).wait_to_read()
-    hl.waitall()
 
 
 def run(n=512, steps=12, repeat=5, trace=None, log=print):
@@ -90,7 +61,7 @@ def run(n=512, steps=12, repeat=5, trace=None, log=print):
     the Chrome trace of one parallel run, if given)."""
     cores = os.cpu_count() or 1
     d0, d1 = hl.cpu(0), hl.cpu(1)
-    warm_queues([d0, d1])
+    hl.engine.start_workers([d0, d1])
     x0, w0 = make_inputs(n, d0, 0)
     x1, w1 = make_inputs(n, d1, 1)
     x1_on0, w1_on0 = x1.copyto(d0), w1.copyto(d0)
@@ -115,12 +86,12 @@ def run(n=512, steps=12, repeat=5, trace=None, log=print):
 
     flops = 2.0 * n ** 3 * steps
     res = {}
-    with blas_threads(1):
+    with hl.engine.blas_threads(1):
         res["cpu0"] = timed(only0, repeat)
         res["cpu1"] = timed(only1, repeat)
         res["parallel"] = timed(both, repeat)
         res["serial_1thread"] = timed(serial, repeat)
-    with blas_threads(cores):
+    with hl.engine.blas_threads(cores):
         res["serial_all_threads"] = timed(serial, repeat)
     res["serial_best"] = min(res["serial_1thread"], res["serial_all_threads"])
     res["speedup_vs_1thread"] = res["serial_1thread"] / res["parallel"]
@@ -136,7 +107,7 @@ def run(n=512, steps=12, repeat=5, trace=None, log=print):
     log(f"  speedup of parallel: {res['speedup_vs_1thread']:.2f}x vs serial (1 thread), "
         f"{res['speedup_vs_best']:.2f}x vs the best serial")
     if trace:
-        with blas_threads(1), hl.profiler.profile() as prof:
+        with hl.engine.blas_threads(1), hl.profiler.profile() as prof:
             both()
         prof.export_chrome_trace(trace)
         threads = sorted({e.thread for e in prof.events})

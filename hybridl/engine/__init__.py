@@ -11,6 +11,7 @@ Public interface (DESIGN §3)::
 ``HYBRIDL_ENGINE=naive|threaded`` selects the engine at import (default ``threaded``).
 """
 import atexit
+import contextlib
 import os
 import threading
 
@@ -19,7 +20,8 @@ from .naive import NaiveEngine
 from .threaded import ThreadedEngine
 
 __all__ = ["Var", "OpError", "Engine", "NaiveEngine", "ThreadedEngine", "push", "wait_for",
-           "waitall", "get_engine", "set_engine", "bulk", "set_num_workers", "num_workers"]
+           "waitall", "get_engine", "set_engine", "bulk", "set_num_workers", "num_workers",
+           "blas_threads", "start_workers"]
 
 _ENGINES = {"naive": NaiveEngine, "threaded": ThreadedEngine}
 _lock = threading.Lock()
@@ -130,6 +132,37 @@ def set_num_workers(n):
 def num_workers():
     """Worker threads per device of the threaded engine."""
     return getattr(_current, "num_workers", 1)
+
+
+@contextlib.contextmanager
+def blas_threads(n):
+    """Context: run with ``n`` BLAS threads per GEMM — threadpoolctl's process-wide limit and
+    the per-GEMM budget of :mod:`hybridl.ops._blas` — restoring both afterwards.
+
+    Raises:
+        ValueError: ``n`` is not an integer >= 1.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n: expected an integer >= 1, got {n!r}")
+    from threadpoolctl import threadpool_limits
+
+    from ..ops import _blas
+    old = _blas.budget()
+    with threadpool_limits(limits=n, user_api="blas"):
+        _blas.set_budget(n)
+        try:
+            yield
+        finally:
+            _blas.set_budget(old)
+
+
+def start_workers(devices):
+    """Start the worker threads (and copy queues) of ``devices`` now, e.g. before timing: a new
+    queue changes the thread budget, which should not happen inside a measurement."""
+    for d in devices:
+        for key in (d, ("copy", d)):
+            _current.push(lambda: None, (), (Var(),), key, name="start")
+    _current.waitall()
 
 
 @atexit.register
