@@ -1,0 +1,329 @@
+"""Optimizers vs NumPy references of the formulas in hybridl/optim/optimizer.py; the Trainer."""
+import numpy as np
+import pytest
+
+import hybridl as hl
+from hybridl import autograd, nd, nn, optim
+
+SHAPE = (3, 4)
+STEPS = 6
+
+
+def _grads(seed=0, n=STEPS, shape=SHAPE):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(shape) * (1 + i) for i in range(n)]
+
+
+def _param(w0, name="w", **kw):
+    p = nn.Parameter(name, w0.shape, dtype="float64", **kw)
+    p.initialize(hl.init.Zero())
+    p.set_data(w0)
+    return p
+
+
+def _set_grad(params, grads):
+    """Backward of sum(w * G): each parameter's gradient becomes G exactly."""
+    with autograd.record():
+        loss = None
+        for p, g in zip(params, grads):
+            t = (p.data() * nd.array(g, dtype="float64")).sum()
+            loss = t if loss is None else loss + t
+    loss.backward()
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def ref_sgd(w, grads, lr, momentum=0.0, wd=0.0, nesterov=False, rescale=1.0, clip=None):
+    w = w.copy()
+    buf = None
+    for g in grads:
+        g = g * rescale
+        if clip is not None:
+            g = np.clip(g, -clip, clip)
+        g = g + wd * w
+        if momentum:
+            buf = g.copy() if buf is None else momentum * buf + g
+            step = g + momentum * buf if nesterov else buf
+        else:
+            step = g
+        w = w - lr * step
+    return w
+
+
+def ref_adam(w, grads, lr, b1=0.9, b2=0.999, eps=1e-8, wd=0.0, decoupled=False, rescale=1.0,
+             clip=None):
+    w = w.copy()
+    m = np.zeros_like(w)
+    v = np.zeros_like(w)
+    for t, g in enumerate(grads, 1):
+        g = g * rescale
+        if clip is not None:
+            g = np.clip(g, -clip, clip)
+        if decoupled:
+            w = w * (1 - lr * wd)
+        else:
+            g = g + wd * w
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        mhat = m / (1 - b1 ** t)
+        vhat = v / (1 - b2 ** t)
+        w = w - lr * mhat / (np.sqrt(vhat) + eps)
+    return w
+
+
+def _run(opt_name, opt_params, grads, w0, batch_size=1, **pkw):
+    p = _param(w0, **pkw)
+    tr = optim.Trainer([p], opt_name, opt_params)
+    for g in grads:
+        _set_grad([p], [g])
+        tr.step(batch_size)
+    return p.data().asnumpy()
+
+
+W0 = np.random.default_rng(7).standard_normal(SHAPE)
+
+SGD_CASES = [
+    dict(learning_rate=0.1),
+    dict(learning_rate=0.05, momentum=0.9),
+    dict(learning_rate=0.05, momentum=0.9, nesterov=True),
+    dict(learning_rate=0.1, wd=0.01),
+    dict(learning_rate=0.05, momentum=0.8, wd=0.02, nesterov=True),
+    dict(learning_rate=0.1, momentum=0.5, clip_gradient=0.7),
+]
+
+
+@pytest.mark.parametrize("kw", SGD_CASES, ids=lambda kw: ",".join(kw))
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_sgd_matches_reference(kw, batch_size):
+    got = _run("sgd", kw, _grads(1), W0, batch_size)
+    ref = ref_sgd(W0, _grads(1), kw["learning_rate"], kw.get("momentum", 0.0), kw.get("wd", 0.0),
+                  kw.get("nesterov", False), 1.0 / batch_size, kw.get("clip_gradient"))
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-12)
+    assert not np.allclose(got, W0)
+
+
+ADAM_CASES = [
+    dict(learning_rate=0.01),
+    dict(learning_rate=0.02, beta1=0.8, beta2=0.99, epsilon=1e-6),
+    dict(learning_rate=0.01, wd=0.05),
+    dict(learning_rate=0.01, clip_gradient=1.5),
+]
+
+
+@pytest.mark.parametrize("kw", ADAM_CASES, ids=lambda kw: ",".join(kw))
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_adam_adamw_match_reference(kw, name):
+    got = _run(name, kw, _grads(2), W0, batch_size=2)
+    wd = kw.get("wd", 0.01 if name == "adamw" else 0.0)
+    ref = ref_adam(W0, _grads(2), kw["learning_rate"], kw.get("beta1", 0.9), kw.get("beta2", 0.999),
+                   kw.get("epsilon", 1e-8), wd, name == "adamw", 0.5, kw.get("clip_gradient"))
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-12)
+
+
+def test_adamw_default_wd_differs_from_adam_l2():
+    kw = dict(learning_rate=0.01, wd=0.1)
+    a = _run("adam", kw, _grads(3), W0)
+    b = _run("adamw", kw, _grads(3), W0)
+    assert not np.allclose(a, b)
+    assert optim.AdamW().wd == 0.01
+
+
+def test_lr_mult_wd_mult():
+    grads = _grads(4)
+    kw = dict(learning_rate=0.1, momentum=0.9, wd=0.05)
+    p1 = _param(W0, "a", lr_mult=0.5, wd_mult=2.0)
+    p2 = _param(W0 + 1, "b", lr_mult=1.0, wd_mult=0.0)
+    tr = optim.Trainer([p1, p2], "sgd", kw)
+    for g in grads:
+        _set_grad([p1, p2], [g, -g])
+        tr.step(1)
+    np.testing.assert_allclose(p1.data().asnumpy(), ref_sgd(W0, grads, 0.05, 0.9, 0.1), rtol=1e-6)
+    np.testing.assert_allclose(p2.data().asnumpy(),
+                               ref_sgd(W0 + 1, [-g for g in grads], 0.1, 0.9, 0.0), rtol=1e-6)
+    # Adam honours the multipliers too
+    p3 = _param(W0, "c", lr_mult=3.0, wd_mult=0.5)
+    tr = optim.Trainer([p3], "adam", dict(learning_rate=0.01, wd=0.2))
+    for g in grads:
+        _set_grad([p3], [g])
+        tr.step(1)
+    np.testing.assert_allclose(p3.data().asnumpy(), ref_adam(W0, grads, 0.03, wd=0.1), rtol=1e-6)
+
+
+def test_step_rescales_by_batch_size():
+    g = np.full(SHAPE, 8.0)
+    p = _param(np.zeros(SHAPE))
+    tr = optim.Trainer([p], "sgd", dict(learning_rate=1.0))
+    _set_grad([p], [g])
+    tr.step(8)
+    np.testing.assert_allclose(p.data().asnumpy(), -np.ones(SHAPE), rtol=1e-12)
+    _set_grad([p], [g])
+    tr.step(2)
+    np.testing.assert_allclose(p.data().asnumpy(), -5 * np.ones(SHAPE), rtol=1e-12)
+    for bad in (0, -3, None):
+        with pytest.raises(ValueError, match="batch_size"):
+            tr.step(bad)
+
+
+def test_set_learning_rate():
+    grads = _grads(5)
+    p = _param(W0)
+    tr = optim.Trainer([p], "sgd", dict(learning_rate=0.1, momentum=0.9))
+    assert tr.learning_rate == 0.1
+    w = W0.copy()
+    buf = None
+    for i, g in enumerate(grads):
+        lr = 0.1 / (1 + i)
+        tr.set_learning_rate(lr)
+        assert tr.learning_rate == lr
+        _set_grad([p], [g])
+        tr.step(1)
+        buf = g.copy() if buf is None else 0.9 * buf + g
+        w = w - lr * buf
+    np.testing.assert_allclose(p.data().asnumpy(), w, rtol=1e-6)
+    with pytest.raises(ValueError, match="learning_rate"):
+        tr.set_learning_rate(-1.0)
+
+
+def test_grad_req_null_not_updated():
+    p = _param(W0, "trained")
+    frozen = _param(W0, "frozen", grad_req="null")
+    tr = optim.Trainer([p, frozen], "sgd", dict(learning_rate=0.1, wd=0.5))
+    for g in _grads(6, 3):
+        _set_grad([p], [g])
+        tr.step(1)
+    np.testing.assert_array_equal(frozen.data().asnumpy(), W0)
+    assert not np.allclose(p.data().asnumpy(), W0)
+    # BatchNorm running statistics (grad_req 'null') are left to the layer
+    bn = nn.BatchNorm(in_channels=2)
+    bn.initialize()
+    tr = optim.Trainer(bn.collect_params(), "sgd", dict(learning_rate=1.0, wd=0.5))
+    with autograd.record():
+        y = bn(nd.array(np.random.default_rng(0).standard_normal((4, 2))))
+    y.backward()
+    rm, rv = bn.running_mean.data().asnumpy().copy(), bn.running_var.data().asnumpy().copy()
+    tr.step(1)
+    np.testing.assert_array_equal(bn.running_mean.data().asnumpy(), rm)
+    np.testing.assert_array_equal(bn.running_var.data().asnumpy(), rv)
+    assert not np.allclose(bn.gamma.data().asnumpy(), 1.0)     # weight decay moved gamma
+    hl.waitall()
+
+
+@pytest.mark.parametrize("name,kw", [("sgd", dict(learning_rate=0.05, momentum=0.9, wd=0.01)),
+                                     ("adam", dict(learning_rate=0.01)),
+                                     ("adamw", dict(learning_rate=0.01, wd=0.1))])
+def test_save_load_states_continues_identically(tmp_path, name, kw):
+    grads = _grads(8, 8)
+    # uninterrupted
+    p = _param(W0)
+    tr = optim.Trainer([p], name, kw)
+    for g in grads:
+        _set_grad([p], [g])
+        tr.step(2)
+    full = p.data().asnumpy()
+    # interrupted after 4 steps: save, rebuild, load, continue
+    p = _param(W0)
+    tr = optim.Trainer([p], name, kw)
+    for g in grads[:4]:
+        _set_grad([p], [g])
+        tr.step(2)
+    tr.set_learning_rate(kw["learning_rate"])
+    path = str(tmp_path / "trainer.states")
+    tr.save_states(path)
+    w_mid = p.data().asnumpy().copy()
+    p2 = _param(w_mid)
+    tr2 = optim.Trainer([p2], name, dict(kw, learning_rate=123.0))
+    tr2.load_states(path)
+    assert tr2.learning_rate == kw["learning_rate"]
+    for g in grads[4:]:
+        _set_grad([p2], [g])
+        tr2.step(2)
+    np.testing.assert_allclose(p2.data().asnumpy(), full, rtol=1e-12, atol=1e-15)
+    # without the states, the continuation differs (the test would catch a no-op load)
+    p3 = _param(w_mid)
+    tr3 = optim.Trainer([p3], name, kw)
+    for g in grads[4:]:
+        _set_grad([p3], [g])
+        tr3.step(2)
+    assert not np.allclose(p3.data().asnumpy(), full, rtol=1e-9)
+
+
+def test_load_states_errors(tmp_path):
+    p = _param(W0)
+    tr = optim.Trainer([p], "sgd", dict(learning_rate=0.1, momentum=0.9))
+    _set_grad([p], [_grads()[0]])
+    tr.step(1)
+    path = tmp_path / "s.states"
+    tr.save_states(str(path))
+    tra = optim.Trainer([_param(W0)], "adam")
+    with pytest.raises(ValueError, match="SGD"):
+        tra.load_states(str(path))
+    bad = tmp_path / "bad.states"
+    bad.write_bytes(path.read_bytes()[:20])
+    with pytest.raises(ValueError, match="not a valid"):
+        tr.load_states(str(bad))
+    with pytest.raises(FileNotFoundError):
+        tr.load_states(str(tmp_path / "nope"))
+
+
+def test_optimizer_argument_errors():
+    with pytest.raises(ValueError, match="learning_rate"):
+        optim.SGD(learning_rate=-0.1)
+    with pytest.raises(ValueError, match="wd"):
+        optim.Adam(wd=-1)
+    with pytest.raises(ValueError, match="nesterov"):
+        optim.SGD(nesterov=True)
+    with pytest.raises(ValueError, match="beta1"):
+        optim.Adam(beta1=1.0)
+    with pytest.raises(ValueError, match="optimizer"):
+        optim.Trainer([_param(W0)], "rmsprop")
+    with pytest.raises(TypeError, match="params"):
+        optim.Trainer(_param(W0), "sgd")
+
+
+# ----------------------------------------------------------------------------- async race
+
+
+def _async_run(engine_kind, batch_sizes, seed=0):
+    with hl.engine.set_engine(engine_kind):
+        hl.random.seed(seed)
+        net = nn.HybridSequential()
+        net.add(nn.Dense(256, activation="relu", in_units=128, dtype="float64"),
+                nn.Dense(256, activation="relu", in_units=256, dtype="float64"),
+                nn.Dense(10, in_units=256, dtype="float64"))
+        net.initialize()
+        tr = optim.Trainer(net.collect_params(), "sgd", dict(learning_rate=0.1, momentum=0.9))
+        loss_fn = hl.loss.SoftmaxCrossEntropyLoss()
+        rng = np.random.default_rng(seed)
+        data = [(nd.array(rng.standard_normal((bs, 128)), dtype="float64"),
+                 nd.array(rng.integers(0, 10, bs), dtype="int64")) for bs in batch_sizes]
+        for x, y in data:                   # no sync point inside the loop
+            with autograd.record():
+                loss = loss_fn(net(x), y)
+            loss.backward()
+            tr.step(x.shape[0])
+        out = [p.data().asnumpy() for p in net.collect_params().values()]
+    return out
+
+
+def test_last_batch_of_other_size_async_equals_naive():
+    sizes = [64, 64, 64, 3, 64, 64, 5, 64]
+    naive = _async_run("naive", sizes)
+    for _ in range(2):
+        threaded = _async_run("threaded", sizes)
+        for a, b in zip(naive, threaded):
+            np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-14)
+
+
+def test_clip_gradient_rescale_captured_at_push():
+    # the optimizer's attributes may change after update() is pushed: the queued op must use
+    # the values of push time
+    with hl.engine.set_engine("threaded"):
+        p = _param(np.zeros(SHAPE))
+        opt = optim.SGD(learning_rate=1.0, clip_gradient=0.5)
+        tr = optim.Trainer([p], opt)
+        _set_grad([p], [np.full(SHAPE, 10.0)])
+        tr.step(4)                       # g = 10 / 4 = 2.5, clipped to 0.5
+        opt.clip_gradient = 100.0
+        opt.rescale_grad = 1.0
+        np.testing.assert_allclose(p.data().asnumpy(), -0.5 * np.ones(SHAPE), rtol=1e-12)

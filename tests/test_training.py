@@ -1,0 +1,179 @@
+"""End-to-end training: `hybridl train` / `hybridl export` as a user runs them, and fit()."""
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import hybridl as hl
+
+EPOCH_RE = re.compile(r"^epoch\s+(\d+)\s+loss ([\d.]+)\s+train acc ([\d.]+)\s+test acc ([\d.]+)",
+                      re.M)
+DONE_RE = re.compile(r"^done: (\S+) test accuracy ([\d.]+) after (\d+) epoch", re.M)
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("HYBRIDL_ENGINE", None)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(hl.__file__)))] +
+        ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env
+
+
+def _hybridl(*args, timeout=120, cwd=None):
+    return subprocess.run([sys.executable, "-m", "hybridl", *args], capture_output=True, text=True,
+                          timeout=timeout, env=_env(), cwd=cwd)
+
+
+def _start(*args, cwd=None):
+    return subprocess.Popen([sys.executable, "-m", "hybridl", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env(), cwd=cwd)
+
+
+def _epochs(out):
+    """Per-epoch (loss, train acc, test acc) as printed (samples/s varies and is left out)."""
+    return [m.group(0) for m in EPOCH_RE.finditer(out)]
+
+
+def _mnist_dir():
+    for d in (os.environ.get("HYBRIDL_DATA") and os.path.join(os.environ["HYBRIDL_DATA"], "mnist"),
+              "/work/shared/datasets/mnist"):
+        if d and os.path.exists(os.path.join(d, "train-images-idx3-ubyte.gz")):
+            return d
+    return None
+
+
+def test_default_train_digits():
+    t0 = time.perf_counter()
+    r = _hybridl("train", timeout=120)
+    wall = time.perf_counter() - t0
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    epochs = EPOCH_RE.findall(r.stdout)
+    assert [int(e[0]) for e in epochs] == list(range(1, 11))
+    losses = [float(e[1]) for e in epochs]
+    assert losses[-1] < losses[0] / 4
+    m = DONE_RE.search(r.stdout)
+    assert m, r.stdout
+    assert m.group(1) == "lenet/digits"
+    acc = float(m.group(2))
+    assert acc >= 0.95, r.stdout
+    assert acc == float(epochs[-1][3])
+    assert wall < 60, f"hybridl train took {wall:.1f} s"
+
+
+@pytest.mark.skipif(_mnist_dir() is None, reason="MNIST not found (set HYBRIDL_DATA)")
+def test_mnist_lenet_one_epoch():
+    r = _hybridl("train", "--dataset", "mnist", "--data-dir", _mnist_dir(), "--epochs", "1", "--quiet",
+                 timeout=300)
+    assert r.returncode == 0, r.stderr
+    m = DONE_RE.search(r.stdout)
+    assert m and m.group(1) == "lenet/mnist", r.stdout
+    assert "60000 train / 10000 test" in r.stdout
+    assert float(m.group(2)) >= 0.97, r.stdout
+
+
+def test_same_seed_same_losses_and_naive_equals_threaded():
+    common = ("--epochs", "2", "--quiet", "--seed", "5")
+    procs = [_start("train", *common), _start("train", *common),
+             _start("train", *common, "--engine", "naive"),
+             _start("train", "--epochs", "2", "--quiet", "--seed", "6")]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+        outs.append(_epochs(out))
+    a, b, naive, other = outs
+    assert len(a) == 2
+    assert a == b, "same seed, different epoch lines run-to-run"
+    assert a == naive, "threaded and naive engines disagree"
+    assert a != other, "a different seed should change the run"
+
+
+def test_save_then_export(tmp_path):
+    params = tmp_path / "lenet.safetensors"
+    r = _hybridl("train", "--epochs", "1", "--quiet", "--save", str(params))
+    assert r.returncode == 0, r.stderr
+    assert f"parameters saved to {params}" in r.stdout
+    assert params.exists() and not [f for f in os.listdir(tmp_path) if "tmp" in f]
+    out = tmp_path / "lenet"
+    r = _hybridl("export", "--params", str(params), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    sym, par = tmp_path / "lenet-symbol.json", tmp_path / "lenet.safetensors"
+    assert sym.exists() and par.exists()
+    # the exported graph reproduces the trained LeNet
+    net = hl.models.lenet(10, input_size=8)
+    net.initialize()
+    net.load_parameters(str(params))
+    x = hl.nd.array(np.random.default_rng(0).random((1, 1, 8, 8)), dtype="float32")
+    with hl.autograd.predict_mode():
+        ref = net(x).asnumpy()
+    blk = hl.nn.SymbolBlock.imports(str(sym), param_file=str(par))
+    np.testing.assert_allclose(blk(x).asnumpy(), ref, rtol=1e-5, atol=1e-6)
+    # a corrupt parameter file is a short error, not a traceback
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"garbage")
+    r = _hybridl("export", "--params", str(bad), "--out", str(tmp_path / "x"))
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and "bad.safetensors" in r.stderr
+
+
+BAD_OPTIONS = [
+    (("--epochs", "0"), "--epochs"),
+    (("--model", "nope"), "--model"),
+    (("--lr", "-1"), "--lr"),
+    (("--no-such-flag",), "--no-such-flag"),
+    (("--dataset", "mnist", "--data-dir", "/nonexistent"), "/nonexistent"),
+    (("--batch-size", "abc"), "--batch-size"),
+    (("--momentum", "5"), "momentum"),
+    (("--save", "/nonexistent/p.safetensors"), "/nonexistent"),     # before training, not after
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD_OPTIONS)
+def test_bad_options_exit_2_with_short_message(args, needle, capsys):
+    from hybridl.cli import main
+    try:
+        rc = main(["train", *args])
+    except SystemExit as e:           # argparse errors
+        rc = e.code
+    out, err = capsys.readouterr()
+    assert rc == 2, (out, err)
+    assert needle in err and "error" in err
+    assert len(err.strip().splitlines()) <= 15
+    assert "epoch" not in out
+
+
+def test_bad_options_in_a_real_process():
+    procs = [_start("train", *args) for args, _ in BAD_OPTIONS[:5]]
+    for p, (args, needle) in zip(procs, BAD_OPTIONS):
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 2, (args, out, err)
+        assert "Traceback" not in err and needle in err
+    r = _hybridl("nosuchcommand", timeout=60)
+    assert r.returncode == 2 and "unknown command" in r.stderr
+
+
+def test_fit_and_evaluate_in_process():
+    from hybridl import data, loss, models, optim
+    from hybridl.train_cli import evaluate, fit
+    hl.random.seed(0)
+    train = data.DataLoader(data.Digits(train=True), 64, shuffle=True, seed=0)
+    test = data.DataLoader(data.Digits(train=False), 256)
+    net = models.mlp((64,), 10)
+    net.initialize()
+    trainer = optim.Trainer(net.collect_params(), "adam", dict(learning_rate=0.01))
+    lines = []
+    hist = fit(net, trainer, train, test, 3, loss_fn=loss.SoftmaxCrossEntropyLoss(),
+               log=lines.append, progress=False)
+    assert [h["epoch"] for h in hist] == [1, 2, 3]
+    assert len(lines) == 3 and lines[0].startswith("epoch   1")
+    assert hist[-1]["loss"] < hist[0]["loss"]
+    assert set(hist[0]) >= {"loss", "train_acc", "test_acc", "samples_per_s", "seconds"}
+    acc = evaluate(net, test)
+    assert acc == hist[-1]["test_acc"]
+    assert acc >= 0.9
