@@ -39,7 +39,10 @@ class Trainer:
                 raise TypeError(f"params: expected Parameters, got {type(p).__name__}")
         self._params = [p for p in plist if p.grad_req != "null"]
         self._all_params = plist
-        self._names = [p.name for p in self._params]
+        names = [p.name for p in self._params]
+        if len(set(names)) != len(names):   # e.g. Parameters of blocks never collected: all
+            names = [f"{n}#{i}" for i, n in enumerate(names)]   # 'weight' -> states by position
+        self._names = names
         self._optimizer = create(optimizer, **(optimizer_params or {})) if not isinstance(
             optimizer, Optimizer) else optimizer
         if isinstance(optimizer, Optimizer) and optimizer_params:
