@@ -505,6 +505,36 @@ def test_save_load_round_trip_predictions(tmp_path):
     # hybridized model gives the same predictions
     other.hybridize()
     np.testing.assert_allclose(other(x).asnumpy(), y, rtol=1e-6, atol=1e-6)
+    # loading into a model already hybridized and run: the cached program sees the new values
+    hyb = _small_net()
+    hyb.initialize()
+    hyb.hybridize()
+    assert not np.allclose(hyb(x).asnumpy(), y)
+    hyb.load_parameters(str(path))
+    np.testing.assert_allclose(hyb(x).asnumpy(), y, rtol=1e-6, atol=1e-6)
+
+
+def test_parameters_on_two_devices_save_load(tmp_path):
+    layer = nn.Dense(3, in_units=4)
+    layer.initialize(device=[hl.cpu(0), hl.cpu(1)])
+    a, b = layer.weight.list_data()
+    assert (a.device, b.device) == (hl.cpu(0), hl.cpu(1))
+    np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
+    w = RNG.standard_normal((3, 4)).astype("float32")
+    layer.weight.set_data(w)
+    for c in layer.weight.list_data():
+        np.testing.assert_array_equal(c.asnumpy(), w)
+    y = layer(nd.ones((2, 4), device=hl.cpu(1)))
+    assert y.device == hl.cpu(1)
+    np.testing.assert_allclose(y.asnumpy()[0], w.sum(1), rtol=1e-6)
+    path = str(tmp_path / "d.safetensors")
+    layer.save_parameters(path)
+    fresh = nn.Dense(3)
+    fresh.initialize(device=[hl.cpu(0), hl.cpu(1)])
+    fresh.load_parameters(path)
+    assert fresh.weight.list_device() == [hl.cpu(0), hl.cpu(1)]
+    for c in fresh.weight.list_data():
+        np.testing.assert_array_equal(c.asnumpy(), w)
 
 
 def _mlp(units=(4, 3), in_units=5):

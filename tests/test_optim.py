@@ -327,3 +327,26 @@ def test_clip_gradient_rescale_captured_at_push():
         opt.clip_gradient = 100.0
         opt.rescale_grad = 1.0
         np.testing.assert_allclose(p.data().asnumpy(), -0.5 * np.ones(SHAPE), rtol=1e-12)
+
+
+def test_save_load_states_with_repeated_parameter_names(tmp_path):
+    # Parameters of layers never collected into one block all carry the name 'weight'
+    grads = _grads(9, 4)
+    kw = dict(learning_rate=0.05, momentum=0.9)
+    a, b = _param(W0, "weight"), _param(W0, "weight")
+    tr = optim.Trainer([a, b], "sgd", kw)
+    for g in grads[:2]:
+        _set_grad([a, b], [g, 3 * g])
+        tr.step(1)
+    path = str(tmp_path / "dup.states")
+    tr.save_states(path)
+    a2, b2 = _param(a.data().asnumpy(), "weight"), _param(b.data().asnumpy(), "weight")
+    tr2 = optim.Trainer([a2, b2], "sgd", kw)
+    tr2.load_states(path)
+    for g in grads[2:]:
+        for (p, q, tr_) in ((a, b, tr), (a2, b2, tr2)):
+            _set_grad([p, q], [g, 3 * g])
+            tr_.step(1)
+    np.testing.assert_allclose(a2.data().asnumpy(), a.data().asnumpy(), rtol=1e-12)
+    np.testing.assert_allclose(b2.data().asnumpy(), b.data().asnumpy(), rtol=1e-12)
+    np.testing.assert_allclose(a.data().asnumpy(), ref_sgd(W0, grads, 0.05, 0.9), rtol=1e-6)
