@@ -173,6 +173,7 @@ def _run_backward(heads, head_grads, retain_graph, create_graph, wanted=None):
     for h in heads:                      # a head that is itself a variable
         if h._ag is None and h._grad_req != "null":
             leaves[id(h)] = h
+    groups = {}                # gradients made by the same op are bound by one assign op
     for k, x in leaves.items():
         g = grads.get(k)
         if g is None or x._grad is None:
@@ -180,13 +181,19 @@ def _run_backward(heads, head_grads, retain_graph, create_graph, wanted=None):
         g = g[1]
         if x._grad_req == "add":
             g = M.add(x._grad, g)
-        if type(x._grad) is nd.NDArray:
-            # above compute (priority 0): the gradient is bound as soon as it is computed, so
-            # its allreduce (kvstore 'dist'/'device') can start while backward of earlier
-            # layers still runs, instead of after all of backward (these ops are pushed last)
-            x._grad._assign(g, priority=1)
-        else:
+        if type(x._grad) is not nd.NDArray or g.shape != x._grad.shape:
             x._grad._assign(g)
+            continue
+        # above compute (priority 1): a gradient is bound as soon as the op that makes it has
+        # run, so its allreduce (kvstore 'dist'/'device') can start while backward of earlier
+        # layers still runs; gradients of one op (a compiled backward) share one assign op
+        key = (id(getattr(g._var, "_writer", None)), x._grad.device)
+        groups.setdefault(key, []).append((x._grad, g))
+    for pairs in groups.values():
+        if len(pairs) == 1:
+            pairs[0][0]._assign(pairs[0][1], priority=1)
+        else:
+            nd.assign_many(pairs, priority=1)
     return None
 
 

@@ -426,6 +426,21 @@ def _assign_data(dst, src, priority=0):
     _engine.push(assign, [src._var], [dst._var], dst.device, priority, name="assign")
 
 
+def assign_many(pairs, priority=0):
+    """One engine op writing each ``src``'s value into its ``dst`` (pairs of NDArrays on one
+    device, same shapes): e.g. every parameter gradient produced by one compiled backward op."""
+    dsts = [d for d, _ in pairs]
+    srcs = [s for _, s in pairs]
+
+    def assign():
+        for d, s in zip(dsts, srcs):
+            v = s._data
+            d._data = v if v.dtype == d.dtype else v.astype(d.dtype)
+
+    _engine.push(assign, [s._var for s in srcs], [d._var for d in dsts], dsts[0].device,
+                 priority, name=f"assign[{len(pairs)}]")
+
+
 def _tracked(x):
     return x._ag is not None or x._grad_req != "null"
 

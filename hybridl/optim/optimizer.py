@@ -87,6 +87,27 @@ class Optimizer:
                      priority, f"{type(self).__name__.lower()}_update")
 
 
+    def update_many(self, items, device, priority=0):
+        """Push ONE engine op updating several parameters of ``device`` (as MXNet's
+        ``multi_sgd_update``): ``items`` are (weight, grad, state, lr_mult, wd_mult) tuples.
+        Fewer, larger engine ops: the per-op cost is paid once per step, not per parameter."""
+        rescale, clip = self.rescale_grad, self.clip_gradient
+        jobs = []
+        for weight, grad, state, lr_mult, wd_mult in items:
+            state["t"] += 1
+            jobs.append((weight, grad, state["arrays"], self.lr * lr_mult, self.wd * wd_mult,
+                         state["t"]))
+        kern = self.step_kernel
+
+        def update():
+            for w, g, arrays, lr, wd, t in jobs:
+                w._data = kern(w._data, g._data, arrays, lr, wd, t, rescale, clip)
+
+        _engine.push(update, [it[1]._var for it in items],
+                     [it[0]._var for it in items] + [it[2]["var"] for it in items], device,
+                     priority, f"{type(self).__name__.lower()}_update[{len(items)}]")
+
+
 class SGD(Optimizer):
     """Stochastic gradient descent with momentum, weight decay and Nesterov momentum."""
 

@@ -125,9 +125,13 @@ class Trainer:
         workers = getattr(self._kv, "num_workers", 1) if self._kv is not None else 1
         opt.rescale_grad = 1.0 / (batch_size * workers)
         opt.num_update += 1
+        by_device = {}
         for i, p in enumerate(self._params):
             for d, w in zip(p.list_device(), p.list_data()):
-                opt.update(w, w.grad, self._state((i, d), w), p.lr_mult, p.wd_mult)
+                by_device.setdefault(d, []).append(
+                    (w, w.grad, self._state((i, d), w), p.lr_mult, p.wd_mult))
+        for d, items in by_device.items():      # one update op per device
+            opt.update_many(items, d)
 
     def zero_grad(self):
         """Zero the gradients of all trained parameters."""
