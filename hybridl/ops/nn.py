@@ -98,6 +98,10 @@ def _pair(v, name, arg):
 
 def _conv_infer(x, w, *b, stride, padding, dilation, groups):
     check_float("conv2d", x)
+    for n, p in (("weight", w),) + ((("bias", b[0]),) if b else ()):
+        if p.dtype != x.dtype:
+            raise TypeError(f"conv2d: {n} dtype {p.dtype} differs from data dtype {x.dtype}; "
+                            f"cast one with .astype()")
     out = K.conv2d_output_shape(x.shape, w.shape, stride, padding, dilation, groups)
     if b and tuple(b[0].shape) != (w.shape[0],):
         raise ValueError(f"conv2d: bias must have shape ({w.shape[0]},), got {b[0].shape}")
