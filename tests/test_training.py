@@ -40,7 +40,9 @@ def _epochs(out):
 
 
 def _mnist_dir():
+    here = os.path.dirname(os.path.abspath(__file__))
     for d in (os.environ.get("HYBRIDL_DATA") and os.path.join(os.environ["HYBRIDL_DATA"], "mnist"),
+              os.path.join(here, "..", "..", "shared", "datasets", "mnist"),   # beside the clone
               "/work/shared/datasets/mnist"):
         if d and os.path.exists(os.path.join(d, "train-images-idx3-ubyte.gz")):
             return d
