@@ -133,6 +133,8 @@ class Profile:
             raise RuntimeError("profile: already started")
         from . import engine as _engine
         eng = self._engine_arg or _engine.get_engine()
+        eng._flush_bulk()        # ops pushed before the profile began are not recorded
+        eng._wait_all()          # (waits without raising or consuming their errors)
         self._engine = eng
         self._prev = eng.profiler
         if self.t_origin is None:

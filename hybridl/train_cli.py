@@ -191,10 +191,22 @@ def _setup(args):
 def main_train(argv=None):
     """Entry point of ``hybridl train``; returns the exit code."""
     args = build_parser().parse_args(argv)
+    devs = args.devices or []
+    if len(set(devs)) != len(devs):
+        print(f"hybridl train: error: --devices lists a device twice: {','.join(map(str, devs))}",
+              file=sys.stderr)
+        return 2
+    if args.save and len(devs) > 1 and args.strategy != "data":
+        print(f"hybridl train: error: --save is supported with --strategy data (or one device); "
+              f"the {args.strategy} strategy splits the parameters across devices",
+              file=sys.stderr)
+        return 2
     try:
         return _train(args)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"hybridl train: error: {e}", file=sys.stderr)
+    except (FileNotFoundError, ValueError, OSError, RuntimeError) as e:
+        msg = str(e).strip().splitlines()
+        print(f"hybridl train: error: {type(e).__name__}: {msg[0] if msg else e}"
+              + ("".join(f"\n  {m}" for m in msg[1:6])), file=sys.stderr)
         return 2
 
 
@@ -258,8 +270,9 @@ def _train(args):
     if rank0:
         print(f"done: {args.model}/{args.dataset} test accuracy {last['test_acc']:.4f} after "
               f"{args.epochs} epoch(s) in {total:.1f} s "
-              f"({np.mean([h['samples_per_s'] for h in hist]) * nproc:.0f} samples/s"
-              + (f" over {nproc} processes" if nproc > 1 else "") + ")"
+              f"(training {sum(h['seconds'] for h in hist):.1f} s at "
+              f"{np.mean([h['samples_per_s'] for h in hist]) * nproc:.0f} samples/s"
+              + (f" over {nproc} processes" if nproc > 1 else "") + "; the rest is evaluation)"
               + (f", parameters saved to {args.save}" if args.save and rank0 else ""), flush=True)
     return 0
 
@@ -280,9 +293,21 @@ def main_export(argv=None):
     p.add_argument("--params", default=None, help="parameters saved by `hybridl train --save`")
     p.add_argument("--out", required=True, metavar="PREFIX",
                    help="writes PREFIX-symbol.json and PREFIX.safetensors")
-    p.add_argument("--batch-size", type=_positive_int, default=1, help="input batch of the graph")
+    p.add_argument("--batch-size", type=_positive_int, default=1,
+                   help="input batch of the exported graph (default 1); shapes are static, so "
+                        "the exported model accepts exactly this batch size")
     p.add_argument("--onnx", default=None, metavar="PATH", help="also write an ONNX model")
     args = p.parse_args(argv)
+    if args.onnx:
+        try:
+            import onnx  # noqa: F401 - checked before anything is written
+        except ImportError:
+            print("hybridl export: error: --onnx needs the onnx package: pip install -e \".[onnx]\"",
+                  file=sys.stderr)
+            return 2
+    if not args.params:
+        print("hybridl export: note: no --params given: exporting freshly initialized weights",
+              file=sys.stderr)
     from . import nd
     size = 8 if args.dataset == "digits" else 28
     net = _model(args.model, size)

@@ -467,4 +467,4 @@ def test_jit_gradients_match_eager():
     assert a0 == pytest.approx(a1, rel=1e-12)
     np.testing.assert_allclose(gx0, gx1, rtol=1e-12)
     np.testing.assert_allclose(gw0, gw1, rtol=1e-12)
-    assert f.last_program.bwd is not None
+    assert f.last_program.backward is not None

@@ -288,7 +288,8 @@ class _IDXImageDataset(ArrayDataset):
             raise FileNotFoundError(
                 f"{type(self).__name__}: {res.fname}.gz not found in {self.root} "
                 f"(looked for {os.path.join(self.root, res.fname + '.gz')} and the uncompressed "
-                f"{res.fname}). Fix: pass download=True to fetch it, or point root= (or the "
+                f"{res.fname}). Fix: pass download=True (CLI: --download) to fetch it, or point root= "
+                f"(CLI: --data-dir; or the "
                 f"HYBRIDL_DATA environment variable, which is searched as "
                 f"$HYBRIDL_DATA/{self.name}) at a folder holding the IDX files.")
         st = os.stat(path)

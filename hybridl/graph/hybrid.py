@@ -270,7 +270,7 @@ class _JitFunction:
             entry = _build(self._fn, args, self._fn.__name__, self._passes,
                            [s[3] for s in sig[0][0]], static)
             self._cache.entries[sig] = entry
-            self.last_program = entry
+            self._last_entry = entry
         else:
             self._cache.hits += 1
         return _run(entry, args)
@@ -278,6 +278,16 @@ class _JitFunction:
     def cache_info(self):
         """Hits, misses, miss reasons and number of cached programs."""
         return self._cache.info()
+
+    @property
+    def last_program(self):
+        """The :class:`~hybridl.graph.program.Program` traced for the last new signature
+        (``.source``, ``.graph``, ``.memory_plan``), or None before the first call."""
+        entry = getattr(self, "_last_entry", None)
+        if entry is None:
+            return None
+        entry.fwd.backward = entry.bwd
+        return entry.fwd
 
 
 def jit(fn=None, *, static_argnames=None, passes=None):

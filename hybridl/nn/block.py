@@ -201,6 +201,9 @@ def _atomic_write(path, write):
     tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{os.getpid()}")
     try:
         write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)      # as a plain open() would create it
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -250,6 +253,18 @@ class HybridBlock(Block):
         Returns (symbol_file, param_file)."""
         from ..graph.export import export
         return export(self, prefix, *example_inputs)
+
+    @property
+    def last_program(self):
+        """The compiled :class:`~hybridl.graph.program.Program` of the last new signature this
+        block was traced for (``.source``, ``.graph``, ``.memory_plan``; under autograd its
+        ``.backward`` is the compiled backward half), or None before the first hybridized call."""
+        entry = self.__dict__.get("_last_program")
+        if entry is None:
+            return None
+        prog = entry.fwd
+        prog.backward = entry.bwd
+        return prog
 
     def cache_info(self):
         """Hits, misses, the reason of each miss and the number of cached programs."""
