@@ -125,6 +125,8 @@ def _run_backward(heads, head_grads, retain_graph, create_graph, wanted=None):
     heads = list(heads)
     if head_grads is None:
         head_grads = [None] * len(heads)
+    if len(head_grads) != len(heads):
+        raise ValueError(f"backward: {len(heads)} head(s) but {len(head_grads)} head gradient(s)")
     grads = {}
     for h, hg in zip(heads, head_grads):
         if h._ag is None and h._grad_req == "null":
@@ -181,6 +183,7 @@ def _run_backward(heads, head_grads, retain_graph, create_graph, wanted=None):
         g = g[1]
         if x._grad_req == "add":
             g = M.add(x._grad, g)
+        x._grad._fresh = True
         if type(x._grad) is not nd.NDArray or g.shape != x._grad.shape:
             x._grad._assign(g)
             continue

@@ -37,7 +37,7 @@ class NDArray:
     """
 
     __slots__ = ("_var", "_data", "shape", "dtype", "device", "_ag", "_grad", "_grad_req",
-                 "__weakref__")
+                 "_fresh", "__weakref__")
     __array_priority__ = 1000.0       # numpy_scalar + NDArray -> NDArray.__radd__
 
     def __init__(self, shape, dtype, device, data=None):
@@ -49,6 +49,7 @@ class NDArray:
         self._ag = None
         self._grad = None
         self._grad_req = "null"
+        self._fresh = False        # a gradient buffer: written by backward since the last step
 
     # ------------------------------------------------------------------ sync points
     def wait_to_read(self):
@@ -150,6 +151,8 @@ class NDArray:
         """
         if grad_req not in ("write", "add", "null"):
             raise ValueError(f"grad_req: expected 'write', 'add' or 'null', got {grad_req!r}")
+        if grad_req != "null" and self.dtype.kind != "f":
+            raise TypeError(f"attach_grad: only float arrays have gradients, this one is {self.dtype}")
         self._grad_req = grad_req
         self._ag = None
         self._grad = None if grad_req == "null" else zeros(self.shape, self.dtype, self.device)
@@ -230,9 +233,15 @@ class NDArray:
             if key.dtype.kind == "b":
                 raise TypeError("boolean-mask indexing is not supported (data-dependent shape); "
                                 "use hl.nd.where")
-            return M.take(self, key, axis=0)
+            return M.take(self, key, axis=0, mode="raise")
         if isinstance(key, (list, np.ndarray)):
-            return M.take(self, array(np.asarray(key), device=self.device), axis=0)
+            k = np.asarray(key)
+            if k.dtype == bool:
+                raise TypeError("boolean-mask indexing is not supported (data-dependent shape); "
+                                "use hl.nd.where")
+            if k.size == 0:
+                k = k.astype(np.int64)
+            return M.take(self, array(k, device=self.device), axis=0, mode="raise")
         return M.slice_(self, key)
 
     def __setitem__(self, key, value):
@@ -252,8 +261,19 @@ class NDArray:
                 raise ValueError(f"__setitem__: value of shape {vv.shape} cannot be broadcast to "
                                  f"the selected shape {sl}") from None
             v = _const(vv, self.device)
+        if isinstance(value, NDArray) and value.device != self.device:
+            raise ValueError(f"__setitem__: value is on {value.device!r}, the array on "
+                             f"{self.device!r}; copy it with value.copyto({self.device!r})")
         dst = self
         pykey = M.decode_key(ek)
+        if tuple(sl) == self.shape and all(k in (("e",), ("s", None, None, None)) for k in ek):
+            dt = self.dtype              # the whole array is overwritten: its old value (or
+
+            def fill():                  # an error stored on it) is not read
+                dst._data = np.array(np.broadcast_to(v._data, sl), dtype=dt, copy=True)
+
+            _engine.push(fill, [v._var], [dst._var], dst.device, name="setitem")
+            return
 
         def setitem():
             new = dst._data.copy()
@@ -382,14 +402,32 @@ class NDArray:
     def __xor__(self, o): return M.logical_xor(self, o)
 
     def _inplace(self, fn, other):
-        if _ag.is_recording() and _tracked(self):
-            raise RuntimeError("in-place update of an array recorded by autograd would corrupt "
-                               "the gradient; use y = x + v instead of x += v")
-        r = fn(self, other)
-        if r.shape != self.shape:
-            raise ValueError(f"in-place operation: result shape {r.shape} differs from the "
+        """``self op= other`` as ONE engine op that reads and writes ``self`` (two ops would let
+        another thread's update slip in between and be lost)."""
+        if _ag.is_recording() and (_tracked(self) or (isinstance(other, NDArray) and _tracked(other))):
+            raise RuntimeError("in-place update inside autograd.record() would not be recorded "
+                               "(or would corrupt the gradient); write y = x + v instead of x += v")
+        op = _INPLACE_OPS[fn]
+        o = other
+        if not isinstance(o, NDArray):
+            o = _const(np.asarray(o, _scalar_dtype(o, self.dtype)), self.device)
+        elif o.device != self.device:
+            raise ValueError(f"{op.name}: inputs are on different devices, {self.device!r} and "
+                             f"{o.device!r}; copy one with x.copyto({self.device!r})")
+        (shape, dt), = op.infer(self, o)
+        if tuple(shape) != self.shape:
+            raise ValueError(f"in-place {op.name}: result shape {tuple(shape)} differs from the "
                              f"array's shape {self.shape}")
-        _assign_data(self, r)
+        if not np.can_cast(dt, self.dtype, "same_kind"):
+            raise TypeError(f"in-place {op.name}: result dtype {dt} cannot be stored in this "
+                            f"{self.dtype} array (NumPy's same_kind rule); use x = x {op.name} v")
+        kernel, dst, mydt = op.kernel, self, self.dtype
+
+        def run():
+            r = kernel(dst._data, o._data)
+            dst._data = r if r.dtype == mydt else r.astype(mydt)
+
+        _engine.push(run, [o._var, dst._var], [dst._var], dst.device, name=f"{op.name}_inplace")
         return self
 
     def __iadd__(self, o): return self._inplace(M.add, o)
@@ -399,6 +437,8 @@ class NDArray:
 
 
 # ============================================================================ internals
+
+_INPLACE_OPS = {M.add: M.ADD, M.subtract: M.SUB, M.multiply: M.MUL, M.divide: M.DIV}
 
 
 def _g_copy(c, g):
@@ -454,7 +494,7 @@ def _scalar_dtype(value, like):
     if isinstance(value, (bool, np.bool_)):
         return like if like.kind != "b" else np.dtype(bool)
     if isinstance(value, numbers.Integral):
-        return like
+        return I64 if like.kind == "b" else like
     if like.kind == "f":
         return like
     return F32

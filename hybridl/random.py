@@ -16,7 +16,7 @@ __all__ = ["seed", "uniform", "normal", "randint", "shuffle"]
 
 class _RngState:
     def __init__(self):
-        self.var = Var("rng")
+        self.var = Var("rng", keep_clean=True)     # one failed random op must not poison it
         self.gen = np.random.default_rng()
 
 
@@ -88,6 +88,9 @@ def randint(low, high=None, shape=(1,), dtype=None, device=None):
     if high <= low:
         raise ValueError(f"randint: high={high} must be > low={low}")
     d = as_dtype(dtype or I64)
+    info = np.iinfo(d) if d.kind in "iu" else None
+    if info is not None and (low < info.min or high - 1 > info.max):
+        raise ValueError(f"randint: [low, high) = [{low}, {high}) does not fit dtype {d.name}")
     return _random_op("randint", shape, d, device, lambda g, s: g.integers(low, high, s))
 
 

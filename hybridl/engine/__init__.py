@@ -28,14 +28,20 @@ _lock = threading.Lock()
 _num_workers = None
 
 
+_instances = {}
+
+
 def _make(kind):
     if isinstance(kind, Engine):
         return kind
+    if kind in _instances:              # switching back reuses the engine (and its workers)
+        return _instances[kind]
     if kind not in _ENGINES:
         raise ValueError(f"engine: expected one of {sorted(_ENGINES)} or an Engine, got {kind!r}")
     eng = _ENGINES[kind](num_workers=_num_workers) if kind == "threaded" else _ENGINES[kind]()
     if kind == "threaded":
         eng.on_new_worker = _blas_budget
+    _instances[kind] = eng
     return eng
 
 

@@ -35,16 +35,21 @@ class Var:
     :class:`OpError` of the last failed write (``None`` when the state is good).
     """
 
-    __slots__ = ("name", "exc", "_writer", "_readers", "__weakref__")
+    __slots__ = ("name", "exc", "_writer", "_readers", "keep_clean", "__weakref__")
 
-    def __init__(self, name=None):
+    def __init__(self, name=None, keep_clean=False):
         self.name = name
         self.exc = None
+        # keep_clean: shared state (the RNG) that a failed op must not poison for everyone
+        self.keep_clean = keep_clean
         self._writer = None      # last op that writes this Var (threaded engine bookkeeping)
         self._readers = []       # ops that read it since that write
 
     def __repr__(self):
         return f"Var({self.name or hex(id(self))})"
+
+
+_MAX_PENDING_ERRORS = 64     # errors kept for waitall(); each is also on the Vars it wrote
 
 
 class OpError(RuntimeError):
@@ -239,7 +244,8 @@ class Engine:
         for v in op.reads:
             if v.exc is not None:           # an input failed: do not run, pass the error on
                 for w in op.writes:
-                    w.exc = v.exc
+                    if not w.keep_clean:
+                        w.exc = v.exc
                 return None
         prof = self.profiler
         cell = op.cell
@@ -255,10 +261,13 @@ class Engine:
         except BaseException as e:  # noqa: BLE001 - a user error must never kill a worker
             t1 = _now()
             err = OpError(op.name, e, "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+            e.__traceback__ = None          # the text is kept; the frames (and arrays) are freed
             for w in op.writes:
-                w.exc = err
+                if not w.keep_clean:
+                    w.exc = err
             with self._err_lock:
-                self._errors.append(err)
+                if len(self._errors) < _MAX_PENDING_ERRORS:
+                    self._errors.append(err)
             if prof is not None:
                 prof.record(op.name, op.key, threading.current_thread().name, t0, t1, meta)
             return err

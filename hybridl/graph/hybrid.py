@@ -226,13 +226,25 @@ def call_cached(block, args):
         object.__setattr__(block, "_cached", cache.entries)
     sig = _signature(args)
     entry = cache.lookup(sig, type(block).__name__)
+    if entry is not None and sig[2] and entry.req_mask != _req_mask(entry.params):
+        changed = [p.name for p, a in zip(entry.params, entry.req_mask)
+                   if (p.grad_req != "null") != a]
+        cache.hits -= 1
+        cache.misses += 1
+        cache.reasons.append(f"grad_req of parameter(s) {changed} changed")
+        entry = None
     if entry is None:
         flags = block._hybrid_flags
         entry = _build(block.forward, args, type(block).__name__, flags.get("passes"),
                        [s[3] for s in sig[0]], parallel_segments=flags.get("parallel_segments", False))
+        entry.req_mask = _req_mask(entry.params)
         cache.entries[sig] = entry
         object.__setattr__(block, "_last_program", entry)
     return _run(entry, args)
+
+
+def _req_mask(params):
+    return tuple(p.grad_req != "null" for p in params)
 
 
 def cache_info(block):

@@ -225,7 +225,10 @@ def _devices(device):
     if isinstance(device, (list, tuple)):
         if not device:
             raise ValueError("device: expected at least one device, got an empty list")
-        return [Device.parse(d) for d in device]
+        devs = [Device.parse(d) for d in device]
+        if len(set(devs)) != len(devs):
+            raise ValueError(f"device: each device may appear once, got {devs}")
+        return devs
     return [Device.parse(device)]
 
 

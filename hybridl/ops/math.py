@@ -1220,9 +1220,14 @@ def split(x, indices_or_sections, axis=0, squeeze_axis=False):
             raise ValueError(f"split: axis {axis} of size {n} cannot be split into {k} equal sections")
         cuts = [n // k * i for i in range(1, k)]
     else:
-        cuts = [int(i) for i in indices_or_sections]
+        cuts = [int(i) + n if int(i) < 0 else int(i) for i in indices_or_sections]
     edges = [0] + cuts + [n]
-    bounds = tuple((builtins.min(builtins.max(a, 0), n), builtins.min(builtins.max(b, 0), n)) for a, b in zip(edges[:-1], edges[1:]))
+    bounds = []
+    for a, b in zip(edges[:-1], edges[1:]):       # NumPy: x[a:b] per piece (empty when b < a)
+        a = builtins.min(builtins.max(a, 0), n)
+        b = builtins.min(builtins.max(b, 0), n)
+        bounds.append((a, builtins.max(a, b)))
+    bounds = tuple(bounds)
     op = _split_op(len(bounds))
     outs = apply(op, x, bounds=bounds, axis=axis)
     outs = list(outs) if isinstance(outs, tuple) else [outs]

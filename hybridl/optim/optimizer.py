@@ -32,10 +32,12 @@ class Optimizer:
     def __init__(self, learning_rate=0.01, wd=0.0, rescale_grad=1.0, clip_gradient=None,
                  lr=None):
         lr = learning_rate if lr is None else lr
-        if lr < 0:
-            raise ValueError(f"learning_rate: expected >= 0, got {lr}")
-        if wd < 0:
+        if not lr >= 0 or lr == float("inf"):
+            raise ValueError(f"learning_rate: expected a finite number >= 0, got {lr}")
+        if not wd >= 0:
             raise ValueError(f"wd: expected >= 0, got {wd}")
+        if clip_gradient is not None and not clip_gradient > 0:
+            raise ValueError(f"clip_gradient: expected None or a number > 0, got {clip_gradient}")
         self.lr, self.wd = float(lr), float(wd)
         self.rescale_grad = float(rescale_grad)
         self.clip_gradient = None if clip_gradient is None else float(clip_gradient)
@@ -46,7 +48,7 @@ class Optimizer:
         return self.lr
 
     def set_learning_rate(self, lr):
-        if lr < 0:
+        if not lr >= 0:
             raise ValueError(f"learning_rate: expected >= 0, got {lr}")
         self.lr = float(lr)
 

@@ -48,6 +48,7 @@ class Trainer:
         if isinstance(optimizer, Optimizer) and optimizer_params:
             raise ValueError("optimizer_params: must be None when optimizer is an Optimizer instance")
         self._states = {}
+        self._ignore_stale = False
         self._kv_spec = kvstore
         self._kv = None
         self._kv_ready = False
@@ -116,6 +117,7 @@ class Trainer:
         """
         if not batch_size or batch_size <= 0:
             raise ValueError(f"batch_size: expected a positive number, got {batch_size!r}")
+        self._ignore_stale = ignore_stale_grad
         self.allreduce_grads()
         self.update(batch_size)
 
@@ -126,10 +128,22 @@ class Trainer:
         opt.rescale_grad = 1.0 / (batch_size * workers)
         opt.num_update += 1
         by_device = {}
+        stale = []
         for i, p in enumerate(self._params):
             for d, w in zip(p.list_device(), p.list_data()):
+                g = w.grad
+                if not getattr(g, "_fresh", True):       # not written by backward since the
+                    if p.name not in stale:               # last step: the parameter was not
+                        stale.append(p.name)              # used (as MXNet, it is not updated)
+                    continue
+                g._fresh = False
                 by_device.setdefault(d, []).append(
-                    (w, w.grad, self._state((i, d), w), p.lr_mult, p.wd_mult))
+                    (w, g, self._state((i, d), w), p.lr_mult, p.wd_mult))
+        if stale and not self._ignore_stale:
+            import warnings
+            warnings.warn(f"Trainer.step: parameters {stale} got no gradient from backward since "
+                          f"the last step (unused in the forward?) and were not updated; pass "
+                          f"ignore_stale_grad=True to silence this", RuntimeWarning, stacklevel=3)
         for d, items in by_device.items():      # one update op per device
             opt.update_many(items, d)
 
