@@ -1,0 +1,163 @@
+"""Regression tests for faults found by adversarial testing (each asserts the fixed value)."""
+import threading
+import warnings
+
+import numpy as np
+import pytest
+
+import hybridl as hl
+from hybridl import autograd as ag
+from hybridl import nd, nn
+
+
+def test_inplace_add_from_threads_loses_no_update():
+    acc = nd.zeros((4,))
+
+    def work():
+        nonlocal acc
+        for _ in range(150):
+            acc += 1
+    ts = [threading.Thread(target=work) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    np.testing.assert_array_equal(acc.asnumpy(), np.full(4, 600.0))
+
+
+def test_inplace_int_with_float_is_a_casting_error():
+    w = nd.array([1, 2, 3])
+    with pytest.raises(TypeError, match="same_kind"):
+        w += 0.5
+
+
+def test_inplace_update_inside_record_with_tracked_operand_raises():
+    x = nd.array([1.0, 2.0])
+    x.attach_grad()
+    u = nd.zeros((2,))
+    with ag.record():
+        with pytest.raises(RuntimeError, match="in-place"):
+            u += x
+
+
+def test_failed_op_does_not_poison_the_rng():
+    bad = nd.arange(5).take(nd.array([9]), mode="raise")
+    with ag.train_mode():
+        nd.dropout(bad.astype("float32"), 0.5)
+    with pytest.raises(hl.OpError):
+        hl.waitall()
+    hl.random.seed(3)
+    a = hl.nd.random.uniform(shape=(3,)).asnumpy()
+    np.testing.assert_allclose(a, np.random.default_rng(3).uniform(0, 1, 3).astype(np.float32))
+
+
+def test_whole_array_assignment_clears_a_stored_error():
+    x = nd.arange(3).take(nd.array([7]), mode="raise")      # x holds an error
+    with pytest.raises(hl.OpError):
+        x.wait_to_read()
+    x[...] = 5
+    np.testing.assert_array_equal(x.asnumpy(), [5])
+    with pytest.raises(hl.OpError):
+        hl.waitall()          # the original error is still reported once by waitall
+    hl.waitall()
+
+
+def test_integer_list_indexing_follows_numpy():
+    a = np.array([[1.0, 2, 3], [4, 5, 6]], np.float32)
+    x = nd.array(a)
+    np.testing.assert_array_equal(x[[-1]].asnumpy(), a[[-1]])
+    np.testing.assert_array_equal(x[[1, 0, 1]].asnumpy(), a[[1, 0, 1]])
+    with pytest.raises(hl.OpError, match="out of range"):
+        x[[5]].asnumpy()
+    with pytest.raises(hl.OpError):
+        hl.waitall()            # reported once more by waitall, then the engine is clean
+    hl.waitall()
+
+
+def test_bool_plus_int_promotes_like_numpy():
+    b = nd.array([True, False])
+    np.testing.assert_array_equal((b + 5).asnumpy(), np.array([True, False]) + 5)
+
+
+def test_split_with_negative_and_unsorted_indices_matches_numpy():
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    for idx in ([2, 1], [-1], [0, -2]):
+        got = [p.asnumpy() for p in nd.split(nd.array(a), idx, axis=1)]
+        want = np.split(a, idx, axis=1)
+        assert [g.shape for g in got] == [w.shape for w in want]
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+
+
+def test_unused_parameter_is_not_updated_with_a_stale_gradient():
+    class M(nn.Block):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Dense(1, in_units=1, use_bias=False)
+            self.b = nn.Dense(1, in_units=1, use_bias=False)
+
+        def forward(self, x, use_b):
+            return self.b(self.a(x)) if use_b else self.a(x)
+    m = M()
+    m.initialize("ones")
+    t = hl.Trainer(m.collect_params(), "sgd", {"learning_rate": 0.1})
+    seen = []
+    for use_b in (True, False, False):
+        with ag.record():
+            loss = m(nd.ones((1, 1)), use_b).sum()
+        loss.backward()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            t.step(1)
+        seen.append(len(w))
+        b_after = float(m.b.weight.data().item())
+    assert b_after == pytest.approx(0.9)          # updated once (when used), not three times
+    assert seen == [0, 1, 1]
+
+
+def test_hybridized_block_retraces_when_grad_req_changes():
+    net = nn.HybridSequential()
+    net.add(nn.Dense(3, in_units=2), nn.Dense(1, in_units=3))
+    net.initialize()
+    net.hybridize()
+    net[0].collect_params().setattr("grad_req", "null")
+    with ag.record():
+        loss = net(nd.ones((4, 2))).sum()
+    loss.backward()
+    net[0].collect_params().setattr("grad_req", "write")
+    with ag.record():
+        loss = net(nd.ones((4, 2))).sum()
+    loss.backward()
+    g = net[0].weight.grad().asnumpy()
+    net.hybridize(False)
+    with ag.record():
+        loss = net(nd.ones((4, 2))).sum()
+    loss.backward()
+    np.testing.assert_allclose(g, net[0].weight.grad().asnumpy(), rtol=1e-6)
+    assert np.abs(g).sum() > 0
+
+
+def test_duplicate_devices_are_rejected():
+    with pytest.raises(ValueError, match="once"):
+        nn.Dense(2, in_units=2).initialize(device=[hl.cpu(0), hl.cpu(0)])
+
+
+def test_optimizer_rejects_nan_lr_and_negative_clip():
+    with pytest.raises(ValueError, match="learning_rate"):
+        hl.optim.SGD(learning_rate=float("nan"))
+    with pytest.raises(ValueError, match="clip_gradient"):
+        hl.optim.SGD(clip_gradient=-1.0)
+
+
+def test_backward_head_gradient_count_must_match():
+    x = nd.ones((2,))
+    x.attach_grad()
+    with ag.record():
+        y1, y2 = x * 2, x * 3
+    with pytest.raises(ValueError, match="head"):
+        ag.backward([y1, y2], [nd.ones((2,))])
+
+
+def test_attach_grad_on_int_array_raises():
+    with pytest.raises(TypeError, match="float"):
+        nd.array([1, 2]).attach_grad()
