@@ -208,18 +208,17 @@ class ThreadedEngine(Engine):
                 return
         self._check_not_worker()
         while True:
-            # Help while waiting: a tiny pure op at the head of the device's queue runs here
-            # rather than waiting for the worker to wake up and win the GIL.
+            # Help while waiting: a pure op at the head of the device's queue runs here rather
+            # than waiting for the worker to wake up and win the GIL — this thread would only
+            # sleep meanwhile (ops that may block on other threads are not pure: never taken).
             with lock:
                 if op.done:
                     return
                 q = self._queues.get(op.key)
                 job = None
-                if q is not None and q.heap:
-                    cell = q.heap[0].cell
-                    if cell is not None and cell[0] is not None and cell[0] < self.inline_s:
-                        job = heapq.heappop(q.heap)
-                        q.busy += 1
+                if q is not None and q.heap and self.inline_s > 0 and q.heap[0].pure:
+                    job = heapq.heappop(q.heap)
+                    q.busy += 1
                 if job is None:
                     if op.event is None:
                         op.event = threading.Event()
