@@ -74,11 +74,14 @@ def is_training():
 
 
 class Node:
-    __slots__ = ("op", "inputs", "outputs", "attrs", "freed")
+    __slots__ = ("op", "inputs", "outputs", "attrs", "freed", "versions")
 
     def __init__(self, op, inputs, outputs, attrs):
         self.op, self.inputs, self.outputs, self.attrs = op, inputs, outputs, attrs
         self.freed = False
+        # versions of the inputs that need gradients: a write to one of them between recording
+        # and backward would make the gradient use the new value (as PyTorch's version counter)
+        self.versions = tuple(getattr(x, "_version", 0) for x in inputs)
 
 
 def record_op(op, inputs, outputs, attrs):
@@ -151,6 +154,13 @@ def _run_backward(heads, head_grads, retain_graph, create_graph, wanted=None):
                 ogs.append(e[1])
             if all(g is None for g in ogs):
                 continue
+            for x, v in zip(node.inputs, node.versions):
+                if getattr(x, "_version", v) != v and (x._ag is not None or x._grad_req != "null"):
+                    raise RuntimeError(
+                        f"backward: an input of {node.op.name!r} (shape {x.shape}) was modified "
+                        f"after it was recorded (version {v} -> {x._version}), e.g. by an "
+                        f"optimizer step or an in-place update before backward(); the gradient "
+                        f"would use the new value. Call backward() before changing it.")
             if len(ogs) == 1:
                 igs = node.op.grad(GradCtx(node.inputs, node.outputs, node.attrs), ogs[0])
             else:

@@ -37,7 +37,7 @@ class NDArray:
     """
 
     __slots__ = ("_var", "_data", "shape", "dtype", "device", "_ag", "_grad", "_grad_req",
-                 "_fresh", "__weakref__")
+                 "_fresh", "_version", "__weakref__")
     __array_priority__ = 1000.0       # numpy_scalar + NDArray -> NDArray.__radd__
 
     def __init__(self, shape, dtype, device, data=None):
@@ -50,6 +50,7 @@ class NDArray:
         self._grad = None
         self._grad_req = "null"
         self._fresh = False        # a gradient buffer: written by backward since the last step
+        self._version = 0          # bumped by every write pushed to this array (autograd checks it)
 
     # ------------------------------------------------------------------ sync points
     def wait_to_read(self):
@@ -196,6 +197,7 @@ class NDArray:
                 raise ValueError(f"copyto: destination shape {other.shape} differs from source "
                                  f"shape {self.shape}")
             out = other
+            out._version += 1
         else:
             raise TypeError(f"copyto: other must be a Device or an NDArray, got {type(other).__name__}")
         src = self
@@ -265,6 +267,7 @@ class NDArray:
             raise ValueError(f"__setitem__: value is on {value.device!r}, the array on "
                              f"{self.device!r}; copy it with value.copyto({self.device!r})")
         dst = self
+        self._version += 1
         pykey = M.decode_key(ek)
         if tuple(sl) == self.shape and all(k in (("e",), ("s", None, None, None)) for k in ek):
             dt = self.dtype              # the whole array is overwritten: its old value (or
@@ -422,6 +425,7 @@ class NDArray:
             raise TypeError(f"in-place {op.name}: result dtype {dt} cannot be stored in this "
                             f"{self.dtype} array (NumPy's same_kind rule); use x = x {op.name} v")
         kernel, dst, mydt = op.kernel, self, self.dtype
+        self._version += 1
 
         def run():
             r = kernel(dst._data, o._data)
@@ -458,6 +462,7 @@ def _copy_meta(src):
 def _assign_data(dst, src, priority=0):
     """Engine op: dst's storage becomes src's value (cast to dst.dtype when they differ)."""
     dt = dst.dtype
+    dst._version += 1
 
     def assign():
         d = src._data
@@ -471,6 +476,8 @@ def assign_many(pairs, priority=0):
     device, same shapes): e.g. every parameter gradient produced by one compiled backward op."""
     dsts = [d for d, _ in pairs]
     srcs = [s for _, s in pairs]
+    for d in dsts:
+        d._version += 1
 
     def assign():
         for d, s in zip(dsts, srcs):

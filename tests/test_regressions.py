@@ -184,3 +184,26 @@ def test_sgd_one_pass_update_equals_the_reference(mom, wd, monkeypatch):
         ref = ref - 0.1 * (buf if mom else gg)
     np.testing.assert_allclose(run(1 << 15), ref, rtol=1e-5, atol=1e-6)     # one pass
     np.testing.assert_allclose(run(1 << 40), ref, rtol=1e-5, atol=1e-6)     # NumPy steps
+
+
+def test_modifying_a_recorded_variable_before_backward_raises():
+    x = nd.array([1.0, 2.0])
+    x.attach_grad()
+    with ag.record():
+        loss = (x * x).sum()
+    x[...] = 10
+    with pytest.raises(RuntimeError, match="modified after it was recorded"):
+        loss.backward()
+
+
+def test_optimizer_step_between_forward_and_backward_raises():
+    net = nn.Dense(1, in_units=2)
+    net.initialize()
+    tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+    with ag.record():
+        loss = net(nd.ones((1, 2))).sum()
+    for p in net.collect_params().values():
+        p.data().grad._fresh = True
+    tr.step(1)
+    with pytest.raises(RuntimeError, match="modified after it was recorded"):
+        loss.backward()

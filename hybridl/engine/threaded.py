@@ -217,8 +217,11 @@ class ThreadedEngine(Engine):
                 q = self._queues.get(op.key)
                 job = None
                 if q is not None and q.heap and self.inline_s > 0 and q.heap[0].pure:
-                    job = heapq.heappop(q.heap)
-                    q.busy += 1
+                    cell = q.heap[0].cell
+                    tiny = cell is not None and cell[0] is not None and cell[0] < self.inline_s
+                    if tiny or not q.busy:        # a busy worker takes a big op next anyway;
+                        job = heapq.heappop(q.heap)   # running it here too would oversubscribe
+                        q.busy += 1
                 if job is None:
                     if op.event is None:
                         op.event = threading.Event()

@@ -78,6 +78,7 @@ class Optimizer:
         """
         lr, wd = self.lr * lr_mult, self.wd * wd_mult
         rescale, clip = self.rescale_grad, self.clip_gradient
+        weight._version += 1
         state["t"] += 1
         t = state["t"]
         kern = self.step_kernel
@@ -96,6 +97,7 @@ class Optimizer:
         rescale, clip = self.rescale_grad, self.clip_gradient
         jobs = []
         for weight, grad, state, lr_mult, wd_mult in items:
+            weight._version += 1
             state["t"] += 1
             jobs.append((weight, grad, state["arrays"], self.lr * lr_mult, self.wd * wd_mult,
                          state["t"]))
