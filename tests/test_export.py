@@ -224,3 +224,28 @@ def test_corrupt_param_files(exported):
     os.remove(p)
     with pytest.raises(FileNotFoundError, match="param_file"):
         hl.nn.SymbolBlock.imports(s)
+
+
+@pytest.mark.parametrize("tamper,msg", [
+    (lambda d: d["outputs"].__setitem__(0, [d["outputs"][0][0], 5]), "out of range"),
+    (lambda d: [n for n in d["nodes"] if n["kind"] == "op"][0].__setitem__("inputs", [[1]]),
+     "expected a reference"),
+    (lambda d: d["nodes"][0].__setitem__("kind", "weird"), "unknown kind"),
+    (lambda d: d["params"].pop(), "not listed"),
+    (lambda d: d["nodes"][0].__setitem__("specs", [["abc", "float32"]]), "shape must be"),
+])
+def test_tampered_graph_is_rejected_at_import(tmp_path, tamper, msg):
+    import copy
+    import json
+    net = hl.models.mlp((8,), 3)
+    net.initialize()
+    net.hybridize()
+    net(hl.nd.ones((2, 5)))
+    sym, par = net.export(str(tmp_path / "m"))
+    doc = json.load(open(sym))
+    d = copy.deepcopy(doc)
+    tamper(d)
+    bad = tmp_path / "bad-symbol.json"
+    bad.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=msg):
+        hl.nn.SymbolBlock.imports(str(bad), None, par)

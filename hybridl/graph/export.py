@@ -86,7 +86,6 @@ def export(block, prefix, *example_inputs):
     """
     from safetensors.numpy import save_file
 
-    from ..nn.block import _atomic_write
     from .hybrid import trace_graph
     args = list(example_inputs)
     if not args:
@@ -104,12 +103,25 @@ def export(block, prefix, *example_inputs):
         tensors[s.node.name] = np.ascontiguousarray(p.data().asnumpy())
     doc["single_output"] = single
     sym_file, param_file = f"{prefix}-symbol.json", f"{prefix}.safetensors"
-
-    def write_json(tmp):
-        with open(tmp, "w") as f:
+    d = os.path.dirname(os.path.abspath(sym_file))
+    if not os.path.isdir(d):
+        raise FileNotFoundError(f"prefix: directory {d!r} does not exist")
+    tmp_sym = os.path.join(d, f".{os.path.basename(sym_file)}.tmp-{os.getpid()}")
+    tmp_par = os.path.join(d, f".{os.path.basename(param_file)}.tmp-{os.getpid()}")
+    try:                          # both files complete before either is put in place
+        with open(tmp_sym, "w") as f:
             json.dump(doc, f, indent=1)
-    _atomic_write(sym_file, write_json)
-    _atomic_write(param_file, lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT}))
+        save_file(tensors, tmp_par, metadata={"format": FORMAT})
+        umask = os.umask(0)
+        os.umask(umask)
+        for t in (tmp_sym, tmp_par):
+            os.chmod(t, 0o666 & ~umask)
+        os.replace(tmp_par, param_file)
+        os.replace(tmp_sym, sym_file)
+    finally:
+        for t in (tmp_sym, tmp_par):
+            if os.path.exists(t):
+                os.remove(t)
     return sym_file, param_file
 
 
@@ -131,27 +143,56 @@ def load_graph_json(path):
         raise ValueError(f"symbol_file: {path!r} is not a hybridl graph (format {FORMAT!r} expected)")
     if doc.get("version") != VERSION:
         raise ValueError(f"symbol_file: {path!r} has version {doc.get('version')}, expected {VERSION}")
-    seen = set()
+    seen = {}                     # node id -> number of outputs
+
+    def bad(msg):
+        raise ValueError(f"symbol_file: {path!r}: {msg}")
+
+    def ref(r, where):
+        if (not isinstance(r, list) or len(r) != 2 or not all(isinstance(v, int) for v in r)):
+            bad(f"{where}: expected a reference [node_id, output_index], got {r!r}")
+        if r[0] not in seen:
+            bad(f"{where}: refers to unknown node {r[0]} (not defined before it)")
+        if not 0 <= r[1] < seen[r[0]]:
+            bad(f"{where}: node {r[0]} has {seen[r[0]]} output(s), index {r[1]} is out of range")
+
     try:
         for n in doc["nodes"]:
+            if n["kind"] not in ("input", "param", "const", "op"):
+                bad(f"node {n['id']} has unknown kind {n['kind']!r}")
+            for spec in n["specs"]:
+                shp, dt = spec
+                if not isinstance(shp, list) or not all(isinstance(d, int) and d >= 0 for d in shp):
+                    bad(f"node {n['id']}: shape must be a list of integers >= 0, got {shp!r}")
             if n["kind"] == "op":
                 _op(n["op"], path)
-                for i, _ in n["inputs"]:
-                    if i not in seen:
-                        raise ValueError(f"symbol_file: {path!r}: node {n['id']} reads node {i} "
-                                         f"before it is defined")
-            seen.add(n["id"])
-        for i, _ in doc["outputs"]:
-            if i not in seen:
-                raise ValueError(f"symbol_file: {path!r}: output refers to unknown node {i}")
-    except (KeyError, TypeError) as e:
+                for r in n["inputs"]:
+                    ref(r, f"node {n['id']} input")
+            if n["id"] in seen:
+                bad(f"node id {n['id']} appears twice")
+            seen[n["id"]] = len(n["specs"])
+        for r in doc["outputs"]:
+            ref(r, "output")
+        kinds = {n["id"]: n["kind"] for n in doc["nodes"]}
+        for what, kind in (("inputs", "input"), ("params", "param")):
+            for e in doc[what]:
+                if kinds.get(e["node"]) != kind:
+                    bad(f"{what} entry {e.get('name')!r} refers to node {e['node']}, which is not "
+                        f"an {kind} node")
+        listed = {e["node"] for e in doc["inputs"]} | {e["node"] for e in doc["params"]}
+        for n in doc["nodes"]:
+            if n["kind"] in ("input", "param") and n["id"] not in listed:
+                bad(f"{n['kind']} node {n['id']} is not listed in 'inputs'/'params'")
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, ValueError) and str(e).startswith("symbol_file"):
+            raise
         raise ValueError(f"symbol_file: {path!r} is malformed (missing or bad field {e})") from None
     return doc
 
 
 def _op(name, path="<graph>"):
     op = OPS.get(name)
-    if op is None and name.startswith("split") and name[5:].isdigit():
+    if op is None and name.startswith("split") and name[5:].isdigit() and int(name[5:]) <= 4096:
         from ..ops.math import _split_op
         op = _split_op(int(name[5:]))
     if op is None:
@@ -219,7 +260,14 @@ class SymbolBlock(_get_block_base()):
                 raise ValueError(f"param_file: parameter {pd['name']!r} has shape {list(a.shape)}, "
                                  f"the graph expects {pd['shape']}")
             params[pd["name"]] = a
-        consts = {int(k.split("/", 1)[1]): v for k, v in tensors.items() if k.startswith("__const__/")}
+        try:
+            consts = {int(k.split("/", 1)[1]): v for k, v in tensors.items()
+                      if k.startswith("__const__/")}
+        except ValueError:
+            raise ValueError(f"param_file: {param_file!r} has a malformed constant name") from None
+        missing = [n["id"] for n in doc["nodes"] if n["kind"] == "const" and n["id"] not in consts]
+        if missing:
+            raise ValueError(f"param_file: {param_file!r} lacks the constants of nodes {missing}")
         blk = SymbolBlock(doc, params, consts)
         if device is not None:
             blk.reset_device(device)
