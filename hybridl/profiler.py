@@ -27,7 +27,6 @@ event (``ph: 'X'``) per op with ``ts`` and ``dur`` in microseconds, and metadata
 """
 import json
 import os
-import tempfile
 import threading
 import time
 
@@ -332,20 +331,14 @@ class Profile:
         Raises:
             OSError: the folder does not exist or is not writable.
         """
+        from ._io import atomic_write
         path = os.fspath(path)
         data = self.chrome_trace()
-        folder = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".trace-", suffix=".json.tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "w") as f:
+
+        def write(tmp):
+            with open(tmp, "w") as f:
                 json.dump(data, f, separators=(",", ":"))
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        atomic_write(path, write)
         return path
 
 

@@ -21,6 +21,7 @@ import os
 import numpy as np
 
 from .. import autograd
+from .._io import atomic_write_all
 from ..ops.dispatch import apply
 from ..ops.registry import OPS
 from .ir import Graph
@@ -103,25 +104,12 @@ def export(block, prefix, *example_inputs):
         tensors[s.node.name] = np.ascontiguousarray(p.data().asnumpy())
     doc["single_output"] = single
     sym_file, param_file = f"{prefix}-symbol.json", f"{prefix}.safetensors"
-    d = os.path.dirname(os.path.abspath(sym_file))
-    if not os.path.isdir(d):
-        raise FileNotFoundError(f"prefix: directory {d!r} does not exist")
-    tmp_sym = os.path.join(d, f".{os.path.basename(sym_file)}.tmp-{os.getpid()}")
-    tmp_par = os.path.join(d, f".{os.path.basename(param_file)}.tmp-{os.getpid()}")
-    try:                          # both files complete before either is put in place
-        with open(tmp_sym, "w") as f:
+
+    def write_json(tmp):
+        with open(tmp, "w") as f:
             json.dump(doc, f, indent=1)
-        save_file(tensors, tmp_par, metadata={"format": FORMAT})
-        umask = os.umask(0)
-        os.umask(umask)
-        for t in (tmp_sym, tmp_par):
-            os.chmod(t, 0o666 & ~umask)
-        os.replace(tmp_par, param_file)
-        os.replace(tmp_sym, sym_file)
-    finally:
-        for t in (tmp_sym, tmp_par):
-            if os.path.exists(t):
-                os.remove(t)
+    atomic_write_all([(param_file, lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT})),
+                      (sym_file, write_json)])      # both complete before either is in place
     return sym_file, param_file
 
 

@@ -194,20 +194,9 @@ class Block:
 
 
 def _atomic_write(path, write):
-    path = os.fspath(path)
-    d = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(d):
-        raise FileNotFoundError(f"path: directory {d!r} does not exist")
-    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)      # as a plain open() would create it
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    """Write through a temporary file and rename (see :mod:`hybridl._io`)."""
+    from .._io import atomic_write
+    atomic_write(path, write)
 
 
 class HybridBlock(Block):
@@ -313,14 +302,7 @@ class HybridSequential(HybridBlock):
     add = Sequential.add
     forward = Sequential.forward
     __len__ = Sequential.__len__
-
-    def __getitem__(self, i):
-        kids = list(self._children.values())
-        if isinstance(i, slice):
-            s = type(self)()
-            s.add(*kids[i])
-            return s
-        return kids[i]
+    __getitem__ = Sequential.__getitem__
 
 
 _ = DeferredInitializationError
