@@ -511,24 +511,30 @@ def _eager(op, inputs, attrs):
     """The eager interpreter: infer now, push the kernel, record for autograd."""
     dev = None
     like = None
-    for x in inputs:
+    arrs = []
+    mixed = False
+    for x in inputs:                       # fast path: all NDArrays on one device
         if type(x) is NDArray or isinstance(x, NDArray):
             if dev is None:
                 dev, like = x.device, x.dtype
-            elif x.device != dev:
+            elif x.device is not dev and x.device != dev:
                 raise ValueError(f"{op.name}: inputs are on different devices, {dev!r} and "
                                  f"{x.device!r}; copy one with x.copyto({dev!r}) or x.to(...)")
-    arrs = []
-    for x in inputs:
-        if isinstance(x, NDArray):
             arrs.append(x)
-        elif isinstance(x, (numbers.Number, np.number, np.bool_)):
-            arrs.append(_const(np.asarray(x, _scalar_dtype(x, like)), dev))
-        elif isinstance(x, np.ndarray):
-            arrs.append(_const(np.array(x, copy=True), dev))
         else:
-            raise TypeError(f"{op.name}: unsupported input type {type(x).__name__}; expected "
-                            f"NDArray, a number or a NumPy array")
+            mixed = True
+            arrs.append(x)
+    if mixed:                              # scalars / NumPy arrays become constants
+        for i, x in enumerate(arrs):
+            if isinstance(x, NDArray):
+                continue
+            if isinstance(x, (numbers.Number, np.number, np.bool_)):
+                arrs[i] = _const(np.asarray(x, _scalar_dtype(x, like)), dev)
+            elif isinstance(x, np.ndarray):
+                arrs[i] = _const(np.array(x, copy=True), dev)
+            else:
+                raise TypeError(f"{op.name}: unsupported input type {type(x).__name__}; expected "
+                                f"NDArray, a number or a NumPy array")
     specs = op.infer(*arrs, **attrs)
     outs = [NDArray(tuple(s), d, dev) for s, d in specs]
     kernel = op.kernel
@@ -561,7 +567,7 @@ def _eager(op, inputs, attrs):
             for o, r in zip(outs, res):
                 o._data = r
     # pure kernel: the threaded engine may run it inline when tiny; cost key (op, shapes)
-    eng.push(run, reads, writes, dev, 0, op.name, meta, (op, arrs[0].shape, outs[0].shape))
+    eng.push_trusted(run, reads, writes, dev, 0, op.name, meta, (op, arrs[0].shape, outs[0].shape))
     if _ag._state.recording and op.differentiable:
         for a in arrs:
             if a._ag is not None or a._grad_req != "null":

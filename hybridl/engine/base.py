@@ -155,6 +155,13 @@ class Engine:
             return
         self._push_op(_Op(fn, reads, writes, device, priority, name, meta, pure))
 
+    def push_trusted(self, fn, reads, writes, device, priority, name, meta, pure):
+        """:meth:`push` for the library's own hot path (the eager interpreter): ``reads`` and
+        ``writes`` are fresh lists of Vars, so nothing is copied or validated."""
+        if self._bulk.buf is not None:
+            return self.push(fn, reads, writes, device, priority, name, meta, pure)
+        self._push_op(_Op(fn, reads, writes, device, priority, name, meta, pure))
+
     def wait_for(self, var):
         """Block until every pushed write of ``var`` has run; raise its stored error if any.
 
