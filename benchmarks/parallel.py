@@ -94,11 +94,16 @@ def two_chains(n, steps, rounds):
         for name, fn, th in configs:
             with hl.engine.blas_threads(th):
                 hl.waitall()
+                fn()                    # settle: the first run after a thread change is slow
+                hl.waitall()
                 c0, t0 = time.process_time(), time.perf_counter()
                 fn()
                 dt = time.perf_counter() - t0
                 times[(name, th)].append(dt)
                 cpu[(name, th)].append((time.process_time() - c0) / dt)
+            if th > 1:
+                time.sleep(0.3)         # OpenBLAS pool threads spin for a while after a call:
+                #                         let them park before the next configuration runs
     util = {k: statistics.median(v) for k, v in cpu.items()}
     return {k: statistics.median(v) for k, v in times.items()}, half, util
 
