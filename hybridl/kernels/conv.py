@@ -116,6 +116,8 @@ def conv2d_output_shape(x_shape, w_shape, stride=(1, 1), padding=(0, 0), dilatio
         )
     N, C, H, W = (int(s) for s in x_shape)
     O, Cg, KH, KW = (int(s) for s in w_shape)
+    if KH < 1 or KW < 1 or O < 1:
+        raise ValueError(f"w: expected kernel sizes and output channels >= 1, got shape {tuple(w_shape)}")
     sh, sw = pair("stride", stride)
     ph, pw = pair("padding", padding)
     dh, dw = pair("dilation", dilation)

@@ -89,6 +89,9 @@ class Conv2D(HybridBlock):
             raise ValueError(f"Conv2D: layout must be 'NCHW', got {layout!r}")
         self._channels = _pos_int(channels, "channels", "Conv2D")
         ks = (kernel_size, kernel_size) if isinstance(kernel_size, int) else tuple(kernel_size)
+        if len(ks) != 2 or not all(isinstance(k, int) and k >= 1 for k in ks):
+            raise ValueError(f"Conv2D: kernel_size must be an int >= 1 or a pair of them, got "
+                             f"{kernel_size!r}")
         self._kernel, self._strides, self._padding = ks, strides, padding
         self._dilation, self._groups = dilation, _pos_int(groups, "groups", "Conv2D")
         if channels % groups:

@@ -250,6 +250,10 @@ def _bn_infer(x, gamma, beta, eps, axis):
         if tuple(p.shape) != (C,):
             raise ValueError(f"batch_norm: {n} must have shape ({C},) (channels on axis {axis} of "
                              f"{x.shape}), got {p.shape}")
+    if numel(x.shape) // max(C, 1) < 2:
+        raise ValueError(f"batch_norm: training needs more than one value per channel to compute "
+                         f"batch statistics, got input shape {x.shape} (use predict mode, a larger "
+                         f"batch, or LayerNorm)")
     return [(x.shape, x.dtype), ((C,), x.dtype), ((C,), x.dtype)]
 
 
