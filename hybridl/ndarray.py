@@ -440,6 +440,46 @@ class NDArray:
     def __itruediv__(self, o): return self._inplace(M.divide, o)
 
 
+# Docstrings of the methods that mirror hl.nd functions: the function's own documentation.
+_MIRRORS = {
+    "reshape": M.reshape, "transpose": M.transpose, "flatten": M.flatten,
+    "expand_dims": M.expand_dims, "squeeze": M.squeeze, "broadcast_to": M.broadcast_to,
+    "sum": M.sum, "mean": M.mean, "max": M.max, "min": M.min, "prod": M.prod,
+    "argmax": M.argmax, "argmin": M.argmin, "exp": M.exp, "log": M.log, "sqrt": M.sqrt,
+    "square": M.square, "tanh": M.tanh, "sigmoid": M.sigmoid, "relu": M.relu, "abs": M.abs,
+    "sign": M.sign, "clip": M.clip, "dot": M.dot, "take": M.take, "one_hot": M.one_hot,
+    "split": M.split,
+}
+for _n, _f in _MIRRORS.items():
+    getattr(NDArray, _n).__doc__ = f"Method form of ``hl.nd.{_f.__name__}(self, ...)``.\n\n{_f.__doc__}"
+_OPERATORS = {
+    "__add__": ("x + y", M.add), "__radd__": ("y + x", M.add), "__sub__": ("x - y", M.subtract),
+    "__rsub__": ("y - x", M.subtract), "__mul__": ("x * y", M.multiply),
+    "__rmul__": ("y * x", M.multiply), "__truediv__": ("x / y", M.divide),
+    "__rtruediv__": ("y / x", M.divide), "__pow__": ("x ** y", M.power),
+    "__rpow__": ("y ** x", M.power), "__matmul__": ("x @ y", M.matmul),
+    "__rmatmul__": ("y @ x", M.matmul), "__neg__": ("-x", M.negative), "__abs__": ("abs(x)", M.abs),
+    "__eq__": ("x == y", M.equal), "__ne__": ("x != y", M.not_equal), "__gt__": ("x > y", M.greater),
+    "__ge__": ("x >= y", M.greater_equal), "__lt__": ("x < y", M.less),
+    "__le__": ("x <= y", M.less_equal), "__invert__": ("~x", M.logical_not),
+    "__and__": ("x & y", M.logical_and), "__or__": ("x | y", M.logical_or),
+    "__xor__": ("x ^ y", M.logical_xor),
+    "__iadd__": ("x += y (one engine op writing x)", M.add),
+    "__isub__": ("x -= y (one engine op writing x)", M.subtract),
+    "__imul__": ("x *= y (one engine op writing x)", M.multiply),
+    "__itruediv__": ("x /= y (one engine op writing x)", M.divide),
+}
+for _n, (_expr, _f) in _OPERATORS.items():
+    getattr(NDArray, _n).__doc__ = f"``{_expr}``: see ``hl.nd.{_f.__name__}``."
+NDArray.__getitem__.__doc__ = ("``x[key]``: basic indexing (ints, slices, None, Ellipsis) is a view; an "
+                               "integer list / array gathers rows like NumPy (out-of-range raises at "
+                               "the next sync point); boolean masks are not supported (use "
+                               "``hl.nd.where``).")
+NDArray.__setitem__.__doc__ = ("``x[key] = value``: an engine write of ``x`` (ordered after earlier "
+                               "readers); ``value`` is a number, a NumPy array or an NDArray on the "
+                               "same device, broadcast to the selected shape.")
+
+
 # ============================================================================ internals
 
 _INPLACE_OPS = {M.add: M.ADD, M.subtract: M.SUB, M.multiply: M.MUL, M.divide: M.DIV}
