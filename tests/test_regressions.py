@@ -163,29 +163,6 @@ def test_attach_grad_on_int_array_raises():
         nd.array([1, 2]).attach_grad()
 
 
-@pytest.mark.parametrize("mom,wd", [(0.0, 0.0), (0.9, 0.0), (0.9, 0.01), (0.0, 0.01)])
-def test_sgd_one_pass_update_equals_the_reference(mom, wd, monkeypatch):
-    import hybridl.optim.optimizer as O
-    rng = np.random.default_rng(0)
-    w0 = rng.standard_normal(1 << 16).astype(np.float32)
-    gs = [rng.standard_normal(1 << 16).astype(np.float32) for _ in range(3)]
-
-    def run(threshold):
-        monkeypatch.setattr(O, "_ONE_PASS_MIN", threshold)
-        opt, st, w = O.SGD(0.1, momentum=mom, wd=wd), {}, w0.copy()
-        for t, g in enumerate(gs, 1):
-            w = opt.step_kernel(w, g, st, 0.1, wd, t, 0.5, None)
-        return w
-    ref = w0.astype(np.float64)
-    buf = None
-    for g in gs:
-        gg = g * 0.5 + wd * ref
-        buf = gg if buf is None else mom * buf + gg
-        ref = ref - 0.1 * (buf if mom else gg)
-    np.testing.assert_allclose(run(1 << 15), ref, rtol=1e-5, atol=1e-6)     # one pass
-    np.testing.assert_allclose(run(1 << 40), ref, rtol=1e-5, atol=1e-6)     # NumPy steps
-
-
 def test_modifying_a_recorded_variable_before_backward_raises():
     x = nd.array([1.0, 2.0])
     x.attach_grad()

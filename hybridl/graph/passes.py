@@ -143,12 +143,14 @@ def simplify_algebra(graph):
 
 # ---------------------------------------------------------------------------- fusion
 
-# Measured with benchmarks/fusion_threshold.py (hl.graph.passes.measure_fusion_threshold) on
-# this project's 2-core reference machine: a 4-op float32 chain is faster in numexpr than in
-# NumPy from about 2**15 elements on (numexpr's per-call cost is ~20 us; its gain is one pass
-# over memory instead of one per op). Override with set_fusion_threshold() or
-# HYBRIDL_FUSION_THRESHOLD; measure_fusion_threshold() re-measures on the machine at hand.
-_FUSION_THRESHOLD = [int(os.environ.get("HYBRIDL_FUSION_THRESHOLD", 1 << 15))]
+# Measured with ``python benchmarks/fusion_threshold.py`` (measure_fusion_threshold below) on this
+# project's 2-core reference VM, 2026-11-30: the fused numexpr kernel (numexpr 2.14, no VML) was
+# 2.5-10x SLOWER than NumPy op by op for the 4-op chain relu(tanh(a*b + a)) at every size from
+# 256 to 4M elements (numexpr's tanh is ~3.5x slower than NumPy's), and pure arithmetic chains
+# won only from about 4M elements. So the default is 2**23 elements: fusion is kept for very
+# large arrays only. Re-measure on your machine and set_fusion_threshold() /
+# HYBRIDL_FUSION_THRESHOLD accordingly (0 fuses every chain, e.g. in tests).
+_FUSION_THRESHOLD = [int(os.environ.get("HYBRIDL_FUSION_THRESHOLD", 1 << 23))]
 
 
 def fusion_threshold():
@@ -168,13 +170,16 @@ def set_fusion_threshold(n):
 
 
 def measure_fusion_threshold(sizes=None, reps=15):
-    """Time a 4-op float32 elementwise chain, NumPy op by op vs one numexpr call, over sizes
-    (elements); return ``(threshold, rows)`` where threshold is the smallest size from which
-    numexpr wins at every larger size, rows = [(size, numpy_s, numexpr_s), ...] (medians)."""
-    import time
+    """Time a 4-op float32 elementwise chain ``relu(tanh(a * b + a))`` op by op in NumPy vs one
+    fused kernel (what ``fuse_elementwise`` emits: numexpr), over sizes (elements).
 
-    import numexpr as ne
-    sizes = sizes or [1 << k for k in range(8, 23, 1)]
+    Returns ``(threshold, rows)``: threshold is the smallest size from which the fused kernel
+    wins at every larger size measured (or twice the largest size when it never does);
+    rows = [(size, numpy_seconds, fused_seconds), ...] (medians of ``reps``).
+    """
+    import time
+    sizes = sizes or [1 << k for k in range(8, 23)]
+    expr, names, dt = "where(tanh(i0 * i1 + i0) > 0, tanh(i0 * i1 + i0), 0)", ("i0", "i1"), "float32"
     rows = []
     for n in sizes:
         a = np.random.rand(n).astype(np.float32)
@@ -183,10 +188,10 @@ def measure_fusion_threshold(sizes=None, reps=15):
         def f_np():
             return np.maximum(np.tanh(a * b + a), 0)
 
-        def f_ne():
-            return ne.evaluate("where(tanh(a * b + a) > 0, tanh(a * b + a), 0)")
+        def f_fused():
+            return _fused_kernel(a, b, expr=expr, names=names, dtype=dt, shape=(n,))
         ts = []
-        for f in (f_np, f_ne):
+        for f in (f_np, f_fused):
             f()
             t = []
             for _ in range(reps):

@@ -125,37 +125,12 @@ class SGD(Optimizer):
         self.state_names = ("momentum",) if momentum else ()
 
     def step_kernel(self, w, g, st, lr, wd, t, rescale, clip):
-        if clip is None and w.size >= _ONE_PASS_MIN and g.dtype == w.dtype and not self.nesterov:
-            return self._one_pass(w, g, st, lr, wd, t, rescale)
         g = self._grad(g, w, wd, rescale, clip)
         if self.momentum:
             buf = g.copy() if t == 1 else st["momentum"] * w.dtype.type(self.momentum) + g
             st["momentum"] = buf
             g = g + w.dtype.type(self.momentum) * buf if self.nesterov else buf
         return w - w.dtype.type(lr) * g
-
-
-    def _one_pass(self, w, g, st, lr, wd, t, rescale):
-        """The same update as one numexpr pass per array (no temporaries): large parameters
-        are memory-bound, and the step above makes ~6 passes over them."""
-        import numexpr as ne
-        dt = w.dtype.type
-        d = {"w": w, "g": g, "r": dt(rescale), "lr": dt(lr), "wd": dt(wd)}
-        grad = "(g * r + wd * w)" if wd else "(g * r)"
-        if not self.momentum:
-            return ne.evaluate(f"w - lr * {grad}", local_dict=d)
-        if t == 1:
-            buf = ne.evaluate(grad, local_dict=d)
-        else:
-            d["b"], d["m"] = st["momentum"], dt(self.momentum)
-            buf = ne.evaluate(f"m * b + {grad}", local_dict=d)
-        st["momentum"] = buf
-        d["b"] = buf
-        return ne.evaluate("w - lr * b", local_dict=d)
-
-
-# parameters from this many elements are updated in one numexpr pass (see SGD._one_pass)
-_ONE_PASS_MIN = 1 << 15
 
 
 class Adam(Optimizer):
