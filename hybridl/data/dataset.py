@@ -202,14 +202,8 @@ class _TransformedDataset(Dataset):
         return out if isinstance(out, tuple) else (out,)
 
 
-class _TransformFirstDataset(Dataset):
+class _TransformFirstDataset(_TransformedDataset):
     """Lazily applies ``fn`` to the first element of each sample of ``base``."""
-
-    def __init__(self, base, fn):
-        self._base, self._fn = base, fn
-
-    def __len__(self):
-        return len(self._base)
 
     def __getitem__(self, idx):
         item = self._base[idx]

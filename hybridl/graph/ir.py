@@ -75,17 +75,6 @@ class Symbol:
         self.shape, self.dtype = node.specs[index]
 
     @property
-    def ndim(self):
-        return len(self.shape)
-
-    @property
-    def size(self):
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-    @property
     def device(self):
         return None
 
@@ -168,7 +157,7 @@ def _copy_methods():
             "__bool__", "__float__", "__int__", "__index__", "__len__", "__iter__", "__hash__",
             "attach_grad", "backward", "detach", "copyto", "to", "as_in_device", "_assign",
             "__setitem__", "_inplace", "__iadd__", "__isub__", "__imul__", "__itruediv__",
-            "astype", "grad", "grad_req", "ndim", "size", "zeros_like", "ones_like",
+            "astype", "grad", "grad_req", "zeros_like", "ones_like",
             "__slots__", "__weakref__", "__module__", "__doc__", "__array_priority__"}
     for name, val in NDArray.__dict__.items():
         if name in skip or name in Symbol.__dict__:
