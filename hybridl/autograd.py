@@ -161,10 +161,10 @@ def _run_backward(heads, head_grads, retain_graph, create_graph, wanted=None):
                         f"after it was recorded (version {v} -> {x._version}), e.g. by an "
                         f"optimizer step or an in-place update before backward(); the gradient "
                         f"would use the new value. Call backward() before changing it.")
-            if len(ogs) == 1:
-                igs = node.op.grad(GradCtx(node.inputs, node.outputs, node.attrs), ogs[0])
-            else:
-                igs = node.op.grad(GradCtx(node.inputs, node.outputs, node.attrs), *ogs)
+            needs = tuple(x.dtype.kind == "f" and (x._ag is not None or x._grad_req != "null")
+                          for x in node.inputs)
+            ctx = GradCtx(node.inputs, node.outputs, node.attrs, needs)
+            igs = node.op.grad(ctx, ogs[0]) if len(ogs) == 1 else node.op.grad(ctx, *ogs)
             for x, g in zip(node.inputs, igs):
                 if g is None or x.dtype.kind != "f":
                     continue

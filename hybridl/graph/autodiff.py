@@ -47,10 +47,9 @@ def gradient(graph, wrt=None):
         ogs = [grads.get(o.key()) for o in outs]
         if all(g is None for g in ogs) or not node.op.differentiable:
             continue
-        if len(outs) == 1:
-            igs = node.op.grad(GradCtx(node.inputs, outs, node.attrs), ogs[0])
-        else:
-            igs = node.op.grad(GradCtx(node.inputs, outs, node.attrs), *ogs)
+        needs = tuple(x.dtype.kind == "f" and x.node.kind != "const" for x in node.inputs)
+        ctx = GradCtx(node.inputs, outs, node.attrs, needs)
+        igs = node.op.grad(ctx, ogs[0]) if len(outs) == 1 else node.op.grad(ctx, *ogs)
         for x, g in zip(node.inputs, igs):
             if g is None or x.dtype.kind != "f" or x.node.kind == "const":
                 continue

@@ -690,10 +690,11 @@ def _g_matmul(c, g):
     b2 = reshape(b, b.shape + (1,)) if len(b.shape) == 1 else b
     # g with the dimensions NumPy dropped for 1-D operands put back: (..., n, m)
     g2 = _rs(g, _mm_shapes("matmul", tuple(a2.shape), tuple(b2.shape)))
-    ga = matmul(g2, swapaxes(b2, -1, -2))
-    gb = matmul(swapaxes(a2, -1, -2), g2)
-    ga = _rs(_sum_to(ga, a2.shape), a.shape)
-    gb = _rs(_sum_to(gb, b2.shape), b.shape)
+    ga = gb = None
+    if c.needs[0]:
+        ga = _rs(_sum_to(matmul(g2, swapaxes(b2, -1, -2)), a2.shape), a.shape)
+    if c.needs[1]:
+        gb = _rs(_sum_to(matmul(swapaxes(a2, -1, -2), g2), b2.shape), b.shape)
     return ga, gb
 
 
@@ -765,8 +766,8 @@ def _g_fc(c, g):
     k = w.shape[1]
     x2 = _rs(x, (x.shape[0], k) if flatten else (-1, k))
     g2 = _rs(g, (-1, w.shape[0]))
-    gw = matmul(transpose(g2), x2)          # first: lets x die before gx is allocated
-    gx = _rs(matmul(g2, w), x.shape)
+    gw = matmul(transpose(g2), x2) if c.needs[1] else None   # first: x dies before gx is made
+    gx = _rs(matmul(g2, w), x.shape) if c.needs[0] else None
     res = (gx, gw)
     if len(c.inputs) == 3:
         res = res + (sum(g2, axis=0),)

@@ -138,8 +138,8 @@ def _conv_gw_kernel(g, x, w_shape, stride, padding, dilation, groups, out=None):
 def _g_conv(c, g):
     x, w = c.inputs[0], c.inputs[1]
     a = c.attrs
-    gx = apply(CONV_GX, g, w, x_shape=tuple(x.shape), **a)
-    gw = apply(CONV_GW, g, x, w_shape=tuple(w.shape), **a)
+    gx = apply(CONV_GX, g, w, x_shape=tuple(x.shape), **a) if c.needs[0] else None
+    gw = apply(CONV_GW, g, x, w_shape=tuple(w.shape), **a) if c.needs[1] else None
     if len(c.inputs) == 3:
         return gx, gw, sum(g, axis=(0, 2, 3))
     return gx, gw

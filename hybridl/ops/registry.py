@@ -68,11 +68,17 @@ def register(name, kernel, infer, grad=None, cost=None, n_out=1, ew=None,
 
 
 class GradCtx:
-    """What a gradient rule sees: the op's inputs, outputs (frontend values) and attributes."""
+    """What a gradient rule sees: the op's inputs, outputs (frontend values) and attributes.
 
-    __slots__ = ("inputs", "outputs", "attrs")
+    ``needs[i]`` is False when nobody wants the gradient of input ``i`` (e.g. the data batch of
+    the first layer): a rule may return None there instead of pushing work that is thrown away
+    (PyTorch's ``needs_input_grad``). Rules that ignore it stay correct.
+    """
 
-    def __init__(self, inputs, outputs, attrs):
+    __slots__ = ("inputs", "outputs", "attrs", "needs")
+
+    def __init__(self, inputs, outputs, attrs, needs=None):
         self.inputs = inputs
         self.outputs = outputs
         self.attrs = attrs
+        self.needs = needs if needs is not None else (True,) * len(inputs)
