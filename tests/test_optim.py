@@ -350,3 +350,39 @@ def test_save_load_states_with_repeated_parameter_names(tmp_path):
     np.testing.assert_allclose(a2.data().asnumpy(), a.data().asnumpy(), rtol=1e-12)
     np.testing.assert_allclose(b2.data().asnumpy(), b.data().asnumpy(), rtol=1e-12)
     np.testing.assert_allclose(a.data().asnumpy(), ref_sgd(W0, grads, 0.05, 0.9), rtol=1e-6)
+
+
+@pytest.mark.parametrize("name,kw", [("sgd", dict(learning_rate=0.1)),
+                                     ("sgd", dict(learning_rate=0.1, momentum=0.9)),
+                                     ("adam", dict(learning_rate=0.1)),
+                                     ("adamw", dict(learning_rate=0.1))])
+def test_update_in_place_never_changes_what_others_see(name, kw):
+    """Updates write into the weight's buffer only when nobody else refers to it: arrays made
+    from the weight before the step (a reshape or transpose that may share its buffer in the
+    kernel, an asnumpy copy) keep their values, the gradient buffer is never written, and the
+    weight itself gets the reference update either way."""
+    rng = np.random.default_rng(3)
+    w0 = rng.standard_normal(SHAPE)
+    p = _param(w0)
+    tr = hl.Trainer([p], name, kw)
+    g = rng.standard_normal(SHAPE)
+    expected = []
+    for shared in (False, True):                # first an unshared buffer, then a shared one
+        before = p.data().asnumpy()
+        view = p.data().reshape((12,)) if shared else None
+        trans = p.data().T if shared else None
+        _set_grad([p], [g])
+        g_before = p.grad().asnumpy()
+        tr.step(1)
+        hl.waitall()
+        np.testing.assert_array_equal(p.grad().asnumpy(), g_before)
+        if shared:
+            np.testing.assert_array_equal(view.asnumpy(), before.reshape(12))
+            np.testing.assert_array_equal(trans.asnumpy(), before.T)
+        expected.append(p.data().asnumpy())
+    ref = {"sgd": ref_sgd, "adam": ref_adam, "adamw": ref_adam}[name]
+    extra = dict(decoupled=True, wd=0.01) if name == "adamw" else {}
+    if name == "sgd" and "momentum" in kw:
+        extra = dict(momentum=kw["momentum"])
+    want = ref(w0, [g, g], kw["learning_rate"], **extra)
+    np.testing.assert_allclose(expected[-1], want, rtol=1e-6, atol=1e-12)

@@ -3,15 +3,18 @@
 OpenBLAS (NumPy's BLAS) starts its thread pool for every GEMM above a tiny size; for the
 small matrices of a LeNet step the hand-over costs more than it gains, and on a loaded machine
 spinning BLAS threads can make a step 5-10x slower. Kernels call :func:`for_gemm` before a
-GEMM: below ``HYBRIDL_BLAS_MT_FLOPS`` (default 2e7 flops, about a 215^3 product) one thread is
-used, above it the budget set by the engine (cores // busy workers). Switching costs ~2 us
+GEMM: below ``HYBRIDL_BLAS_MT_FLOPS`` (default 2e6 flops, about a 100^3 product) one thread is
+used, above it the budget set by the engine (cores // busy workers). Measured on the 2-core
+development VM (quiet): two threads win 1.1-1.8x from ~2e6 flops with outputs of >= 4096
+elements (128x120 @ 120x84: 48 -> 27 us; 256x128 @ 128x128: 130 -> 75 us); below that OpenBLAS
+gains nothing. Switching costs ~2 us
 through threadpoolctl's OpenBLAS controller and only happens when the wanted count changes.
 """
 import os
 
 __all__ = ["for_gemm", "set_budget", "budget"]
 
-MT_FLOPS = float(os.environ.get("HYBRIDL_BLAS_MT_FLOPS", 2e7))
+MT_FLOPS = float(os.environ.get("HYBRIDL_BLAS_MT_FLOPS", 2e6))
 MT_OUT = int(os.environ.get("HYBRIDL_BLAS_MT_OUT", 64 * 64))
 _state = {"ctl": None, "cur": None, "max": os.cpu_count() or 1, "ok": None}
 

@@ -12,11 +12,38 @@ Formulas (per element; ``g = rescale_grad * grad``, clipped to ±clip_gradient i
 * AdamW (Loshchilov & Hutter 2019): as Adam without the L2 term, plus decoupled
   ``w -= lr * wd * w`` (applied before the Adam step, as PyTorch).
 """
+import sys
+
 import numpy as np
 
 from .. import engine as _engine
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "create"]
+
+
+def _refs(holder):
+    d = holder._data
+    return sys.getrefcount(d)
+
+
+class _Holder:
+    __slots__ = ("_data",)
+
+
+_h = _Holder()
+_h._data = np.empty(1)
+_SOLE = _refs(_h)          # the count when ``holder._data`` has no other reference
+del _h
+
+
+def _owned(holder):
+    """Whether ``holder._data`` may be updated in place: it owns its memory and nothing else
+    refers to it (no NumPy view of it, no other NDArray or cache holding it), so writing into
+    it cannot change a value anybody else can see. Otherwise updates build a new array."""
+    if _refs(holder) > _SOLE:      # counted first: the local below is one more reference
+        return False
+    d = holder._data
+    return type(d) is np.ndarray and d.base is None and d.flags.writeable
 
 
 class Optimizer:
@@ -64,11 +91,14 @@ class Optimizer:
             g = g + w.dtype.type(wd) * w
         return g
 
-    def step_kernel(self, w, g, state, lr, wd, t, rescale, clip):
-        """NumPy update: returns the new weight (a new array; state arrays may be replaced in
-        ``state``). ``t`` is the 1-based update count of this parameter; ``rescale`` and
-        ``clip`` are the values of ``rescale_grad`` / ``clip_gradient`` when the update was
-        pushed (the op runs later: reading the attributes then would race with the frontend)."""
+    def step_kernel(self, w, g, state, lr, wd, t, rescale, clip, out=None):
+        """NumPy update: returns the new weight, written into ``out`` when it is given (``out``
+        is ``w`` itself when nobody else can see ``w``'s buffer, see :func:`_owned`), else a new
+        array; state arrays are the optimizer's own and may be updated in place or replaced in
+        ``state``. ``g`` is never written. ``t`` is the 1-based update count of this parameter;
+        ``rescale`` and ``clip`` are the values of ``rescale_grad`` / ``clip_gradient`` when the
+        update was pushed (the op runs later: reading the attributes then would race with the
+        frontend)."""
         raise NotImplementedError
 
     def update(self, weight, grad, state, lr_mult=1.0, wd_mult=1.0, priority=0):
@@ -84,7 +114,9 @@ class Optimizer:
         kern = self.step_kernel
 
         def update():
-            weight._data = kern(weight._data, grad._data, state["arrays"], lr, wd, t, rescale, clip)
+            out = weight._data if _owned(weight) else None
+            weight._data = kern(weight._data, grad._data, state["arrays"], lr, wd, t, rescale, clip,
+                                out=out)
 
         _engine.push(update, [grad._var], [weight._var, state["var"]], weight.device,
                      priority, f"{type(self).__name__.lower()}_update")
@@ -105,7 +137,8 @@ class Optimizer:
 
         def update():
             for w, g, arrays, lr, wd, t in jobs:
-                w._data = kern(w._data, g._data, arrays, lr, wd, t, rescale, clip)
+                out = w._data if _owned(w) else None
+                w._data = kern(w._data, g._data, arrays, lr, wd, t, rescale, clip, out=out)
 
         _engine.push(update, [it[1]._var for it in items],
                      [it[0]._var for it in items] + [it[2]["var"] for it in items], device,
@@ -124,13 +157,23 @@ class SGD(Optimizer):
         self.momentum, self.nesterov = float(momentum), bool(nesterov)
         self.state_names = ("momentum",) if momentum else ()
 
-    def step_kernel(self, w, g, st, lr, wd, t, rescale, clip):
+    def step_kernel(self, w, g, st, lr, wd, t, rescale, clip, out=None):
+        dt = w.dtype.type
+        if not self.momentum and clip is None and not wd:
+            # the common case in two passes, as by hand: step = (lr * rescale) * g; w -= step
+            step = np.multiply(g, dt(lr * rescale))
+            return np.subtract(w, step, out=out if out is not None else step)
         g = self._grad(g, w, wd, rescale, clip)
         if self.momentum:
-            buf = g.copy() if t == 1 else st["momentum"] * w.dtype.type(self.momentum) + g
-            st["momentum"] = buf
-            g = g + w.dtype.type(self.momentum) * buf if self.nesterov else buf
-        return w - w.dtype.type(lr) * g
+            if t == 1:
+                buf = st["momentum"] = g.copy()
+            else:
+                buf = st["momentum"]
+                buf *= dt(self.momentum)
+                buf += g
+            g = g + dt(self.momentum) * buf if self.nesterov else buf
+        step = np.multiply(g, dt(lr))
+        return np.subtract(w, step, out=out if out is not None else step)
 
 
 class Adam(Optimizer):
@@ -146,7 +189,7 @@ class Adam(Optimizer):
                 raise ValueError(f"{n}: expected in [0, 1), got {b}")
         self.beta1, self.beta2, self.epsilon = float(beta1), float(beta2), float(epsilon)
 
-    def step_kernel(self, w, g, st, lr, wd, t, rescale, clip):
+    def step_kernel(self, w, g, st, lr, wd, t, rescale, clip, out=None):
         dt = w.dtype.type
         if self.decoupled:
             g = self._grad(g, w, 0.0, rescale, clip)
@@ -159,7 +202,11 @@ class Adam(Optimizer):
         st["mean"], st["var"] = m, v
         mhat = m / dt(1 - b1 ** t)
         vhat = v / dt(1 - b2 ** t)
-        return w - dt(lr) * mhat / (np.sqrt(vhat) + dt(self.epsilon))
+        step = np.sqrt(vhat)
+        step += dt(self.epsilon)
+        np.divide(mhat, step, out=step)
+        step *= dt(lr)
+        return np.subtract(w, step, out=out if out is not None else step)
 
 
 class AdamW(Adam):
