@@ -579,6 +579,15 @@ def _eager(op, inputs, attrs):
     outs = [NDArray(tuple(s), d, dev) for s, d in specs]
     kernel = op.kernel
     eng = _engine.get_engine()
+    ckey = (op, arrs[0].shape, outs[0].shape)
+    if not (op.random or op.state_vars) and eng.run_ready(kernel, arrs, outs, attrs, dev, ckey,
+                                                          op.name):
+        if _ag._state.recording and op.differentiable:
+            for a in arrs:
+                if a._ag is not None or a._grad_req != "null":
+                    _ag.record_op(op, tuple(arrs), outs, attrs)
+                    break
+        return outs[0] if len(outs) == 1 else tuple(outs)
     meta = None
     if eng.profiler is not None:
         meta = _op_meta(op, arrs, specs, attrs)
@@ -607,7 +616,7 @@ def _eager(op, inputs, attrs):
             for o, r in zip(outs, res):
                 o._data = r
     # pure kernel: the threaded engine may run it inline when tiny; cost key (op, shapes)
-    eng.push_trusted(run, reads, writes, dev, 0, op.name, meta, (op, arrs[0].shape, outs[0].shape))
+    eng.push_trusted(run, reads, writes, dev, 0, op.name, meta, ckey)
     if _ag._state.recording and op.differentiable:
         for a in arrs:
             if a._ag is not None or a._grad_req != "null":

@@ -550,6 +550,46 @@ def test_inline_op_error_is_stored_not_raised():
         e.shutdown()
 
 
+
+def test_eager_fast_path_error_is_stored_not_raised():
+    """A tiny eager op whose inputs are ready runs in the pushing thread without making an op
+    (Engine.run_ready); a failure there must behave exactly like a pushed op's: no raise at the
+    call, raised at the sync points of dependents and by waitall(), the engine fine after."""
+    e = ThreadedEngine(inline_s=1.0)
+    try:
+        with hl.engine.set_engine(e):
+            x = hl.nd.array(np.arange(5.0))
+            ok = hl.nd.array(np.array([1, 2]))
+            bad = hl.nd.array(np.array([1, 7]))
+            for _ in range(3):                       # learn the cost key: later runs go fast
+                np.testing.assert_array_equal(hl.nd.take(x, ok, mode="raise").asnumpy(), [1.0, 2.0])
+            cell = e._cost[next(k for k in e._cost if getattr(k[0], "name", None) == "take")]
+            runs = cell[1]
+            y = hl.nd.take(x, bad, mode="raise")     # fails in the fast path: stored, not raised
+            assert cell[1] == runs + 1               # it did take the fast path
+            z = y + 1.0
+            with pytest.raises(hl.OpError) as ei:
+                z.wait_to_read()
+            assert ei.value.op_name == "take" and isinstance(ei.value.__cause__, IndexError)
+            with pytest.raises(hl.OpError) as ei2:
+                hl.waitall()
+            assert ei2.value is ei.value
+            np.testing.assert_array_equal(hl.nd.take(x, ok, mode="raise").asnumpy(), [1.0, 2.0])
+            hl.waitall()
+    finally:
+        e.shutdown()
+
+
+def test_naive_fast_path_raises_at_the_line():
+    with hl.engine.set_engine("naive"):
+        x = hl.nd.array(np.arange(5.0))
+        for _ in range(2):
+            hl.nd.take(x, hl.nd.array(np.array([0])), mode="raise")
+        with pytest.raises(hl.OpError) as ei:
+            hl.nd.take(x, hl.nd.array(np.array([9])), mode="raise")
+        assert isinstance(ei.value.__cause__, IndexError)
+        hl.waitall()                                 # raised once, at the line: not again
+
 def test_help_while_waiting_runs_queued_tiny_ops():
     e = ThreadedEngine(inline_s=1e-3)
     try:

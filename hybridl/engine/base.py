@@ -162,6 +162,41 @@ class Engine:
             return self.push(fn, reads, writes, device, priority, name, meta, pure)
         self._push_op(_Op(fn, reads, writes, device, priority, name, meta, pure))
 
+    def run_ready(self, kernel, arrays, outs, attrs, device, cost_key, name):
+        """Fast path of the eager interpreter: run a pure kernel now, in the calling thread,
+        without making an op, when that gives the same result as pushing it — every input's
+        last write has run and did not fail — and the engine would run it inline anyway (see
+        the subclasses). Then ``outs[i]._data`` are set (or the error is stored on their Vars
+        and, by the NaiveEngine, raised) and True is returned; otherwise nothing happens and
+        False is returned (the caller pushes the op).
+
+        ``kernel(*[a._data for a in arrays], **attrs)`` returns one array, or a tuple when
+        ``len(outs) > 1``. The outputs must be fresh arrays nobody else has pushed ops on."""
+        return False
+
+    def _run_now(self, kernel, arrays, outs, attrs, name, cell):
+        """Run the kernel of :meth:`run_ready` (inputs known ready); returns the OpError or None.
+        ``cell``: the cost cell to time this run into, or None."""
+        c0 = _cpu() if cell is not None else 0.0
+        try:
+            res = kernel(*[a._data for a in arrays], **attrs)
+            if len(outs) == 1:
+                outs[0]._data = res
+            else:
+                for o, r in zip(outs, res):
+                    o._data = r
+        except BaseException as e:  # noqa: BLE001 - stored on the outputs as a pushed op's
+            err = OpError(name, e, "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+            e.__traceback__ = None
+            for o in outs:
+                o._var.exc = err
+            return err
+        if cell is not None:
+            dt = _cpu() - c0
+            old = cell[0]
+            cell[0] = dt if old is None else old + 0.25 * ((dt if dt < 4.0 * old else 4.0 * old) - old)
+        return None
+
     def wait_for(self, var):
         """Block until every pushed write of ``var`` has run; raise its stored error if any.
 

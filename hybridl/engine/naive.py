@@ -34,6 +34,20 @@ class NaiveEngine(Engine):
         _Bulk(self, size)                # argument check only
         return contextlib.nullcontext(self)
 
+    def run_ready(self, kernel, arrays, outs, attrs, device, cost_key, name):
+        """Every op runs at its push here: run it without making an op (see Engine.run_ready);
+        an error is raised at once, as from ``push``."""
+        if self.profiler is not None:
+            return False
+        for a in arrays:
+            if a._var.exc is not None:      # let push pass the input's error on
+                return False
+        with self._lock:
+            err = self._run_now(kernel, arrays, outs, attrs, name, None)
+        if err is not None:
+            raise err
+        return True
+
     def _push_op(self, op):
         with self._lock:
             err = self._execute(op)

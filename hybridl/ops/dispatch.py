@@ -9,6 +9,7 @@ __all__ = ["apply", "register_interpreter"]
 
 _INTERP = {}       # frontend value class -> interpreter function
 _PRIO = {}         # frontend value class -> priority (traced values beat NDArrays)
+_BASE = [None, None]   # the priority-0 class and its interpreter: the all-NDArray fast path
 
 
 def register_interpreter(cls, fn, priority=0):
@@ -16,6 +17,8 @@ def register_interpreter(cls, fn, priority=0):
     inputs of several kinds are mixed, the kind with the highest ``priority`` decides."""
     _INTERP[cls] = fn
     _PRIO[cls] = priority
+    if priority == 0:
+        _BASE[0], _BASE[1] = cls, fn
 
 
 def apply(op, *inputs, **attrs):
@@ -24,6 +27,13 @@ def apply(op, *inputs, **attrs):
     Raises:
         TypeError: no input is a frontend value (NDArray or traced value).
     """
+    base = _BASE[0]
+    for x in inputs:                # the common case: every input of the base kind (NDArray)
+        if type(x) is not base:
+            break
+    else:
+        if inputs:
+            return _BASE[1](op, inputs, attrs)
     best, prio = None, -1
     for x in inputs:
         t = type(x)
