@@ -122,7 +122,10 @@ class ThreadedEngine(Engine):
             q = None
             if pure:
                 c = cell[0]
-                if c is not None and c < self.inline_s:
+                bound = self.inline_s
+                if type(key) is tuple and key[0] == "bulk":
+                    bound *= key[1]           # a group: inline when its members would be
+                if c is not None and c < bound:
                     q = self._queues.get(op.key)
                     if q is not None and not q.busy and not q.heap:
                         q.busy += 1          # the device counts as busy while we run it here
@@ -143,7 +146,10 @@ class ThreadedEngine(Engine):
         cell = self._cost.get(cost_key)
         if cell is None or cell[0] is None or not cell[0] < self.inline_s:
             return False
-        if self.profiler is not None or self._bulk.buf is not None:
+        if self.profiler is not None:
+            return False
+        b = self._bulk.buf
+        if b is not None and b["ops"]:      # grouped ops not pushed yet: this one joins them
             return False
         for a in arrays:
             v = a._var
