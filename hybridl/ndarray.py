@@ -580,8 +580,8 @@ def _eager(op, inputs, attrs):
     kernel = op.kernel
     eng = _engine.get_engine()
     ckey = (op, arrs[0].shape, outs[0].shape)
-    if not (op.random or op.state_vars) and eng.run_ready(kernel, arrs, outs, attrs, dev, ckey,
-                                                          op.name):
+    if not op.random and eng.run_ready(kernel, arrs, outs, attrs, dev, ckey, op.name,
+                                       op.state_vars):
         if _ag._state.recording and op.differentiable:
             for a in arrs:
                 if a._ag is not None or a._grad_req != "null":

@@ -162,7 +162,7 @@ class Engine:
             return self.push(fn, reads, writes, device, priority, name, meta, pure)
         self._push_op(_Op(fn, reads, writes, device, priority, name, meta, pure))
 
-    def run_ready(self, kernel, arrays, outs, attrs, device, cost_key, name):
+    def run_ready(self, kernel, arrays, outs, attrs, device, cost_key, name, state_vars=None):
         """Fast path of the eager interpreter: run a pure kernel now, in the calling thread,
         without making an op, when that gives the same result as pushing it — every input's
         last write has run and did not fail — and the engine would run it inline anyway (see
@@ -171,7 +171,9 @@ class Engine:
         False is returned (the caller pushes the op).
 
         ``kernel(*[a._data for a in arrays], **attrs)`` returns one array, or a tuple when
-        ``len(outs) > 1``. The outputs must be fresh arrays nobody else has pushed ops on."""
+        ``len(outs) > 1``. The outputs must be fresh arrays nobody else has pushed ops on.
+        ``state_vars``: Vars the kernel also reads and writes (a program's buffers); they must
+        be ready too."""
         return False
 
     def _run_now(self, kernel, arrays, outs, attrs, name, cell):

@@ -136,7 +136,7 @@ class ThreadedEngine(Engine):
                 return
         self._run_here(op, q)
 
-    def run_ready(self, kernel, arrays, outs, attrs, device, cost_key, name):
+    def run_ready(self, kernel, arrays, outs, attrs, device, cost_key, name, state_vars=None):
         """Run a tiny kernel now without making an op (see Engine.run_ready) when its cost
         key has been taking less than ``inline_s`` and every input's last write has run (the
         device's worker may be busy with other, independent ops meanwhile: a tiny op does not
@@ -156,6 +156,14 @@ class ThreadedEngine(Engine):
             w = v._writer
             if (w is not None and not w.done) or v.exc is not None:
                 return False
+        if state_vars:
+            for v in state_vars:
+                w = v._writer
+                if (w is not None and not w.done) or v.exc is not None:
+                    return False
+                for r in v._readers:          # written here: pending readers go first
+                    if not r.done:
+                        return False
         runs = cell[1]
         cell[1] = runs + 1
         err = self._run_now(kernel, arrays, outs, attrs, name, None if runs & 7 else cell)
