@@ -39,21 +39,8 @@ def _make(kind):
     if kind not in _ENGINES:
         raise ValueError(f"engine: expected one of {sorted(_ENGINES)} or an Engine, got {kind!r}")
     eng = _ENGINES[kind](num_workers=_num_workers) if kind == "threaded" else _ENGINES[kind]()
-    if kind == "threaded":
-        eng.on_new_worker = _blas_budget
     _instances[kind] = eng
     return eng
-
-
-def _blas_budget(total_workers):
-    """Keep (busy worker threads) x (BLAS threads) <= cores: threadpoolctl sets the BLAS pool.
-
-    OpenBLAS/MKL pools are process-wide, so the budget is cores // workers for every worker.
-    """
-    if total_workers <= 1:
-        return
-    from ..ops import _blas
-    _blas.set_budget(max(1, (os.cpu_count() or 1) // total_workers))
 
 
 _current = _make(os.environ.get("HYBRIDL_ENGINE", "threaded").strip().lower() or "threaded")
@@ -93,6 +80,8 @@ def set_engine(kind):
         prev = _current
         prev.waitall()          # an error of the old engine raises here; no switch then (a
         _current = new          # ``with`` that raises at entry must not leave the engine changed)
+        from ..ops import _blas
+        _blas.set_budget(new.blas_budget())     # BLAS threads: cores // its compute workers
     return _EngineScope(prev)
 
 

@@ -18,6 +18,7 @@ every Var the op writes. An op that reads a failed Var does not run and passes t
 the Vars it writes. The error is raised when a failed Var is waited for (``wait_for``) and by
 ``waitall()``.
 """
+import os
 import threading
 import time
 import traceback
@@ -234,6 +235,10 @@ class Engine:
         group is empty: that is cheaper than any hand-over.
         """
         return _Bulk(self, size)
+
+    def blas_budget(self):
+        """BLAS threads per GEMM under this engine: every core (ops run one at a time)."""
+        return os.cpu_count() or 1
 
     def shutdown(self):
         """Stop the workers (queued ops are cancelled). Called at interpreter exit."""

@@ -71,7 +71,6 @@ class ThreadedEngine(Engine):
         self._stopping = False
         self._worker_ids = set()
         self._cost = {}                # cost key -> [average run time (s) or None, runs]
-        self.on_new_worker = None      # callback(total_worker_count), used for the thread budget
 
     # ------------------------------------------------------------------ scheduling
     def _push_op(self, op):
@@ -173,6 +172,13 @@ class ThreadedEngine(Engine):
                     self._errors.append(err)
         return True
 
+    def blas_budget(self):
+        """cores // compute workers started so far (copy queues not counted: they move memory),
+        so that workers x BLAS threads <= cores when they all compute."""
+        n = sum(len(q.threads) for k, q in self._queues.items()
+                if not (type(k) is tuple and k and k[0] == "copy"))
+        return max(1, (os.cpu_count() or 1) // max(1, n))
+
     def _run_here(self, op, q):
         """Run ``op`` (already counted in ``q.busy``) in the calling thread, then finish it."""
         try:
@@ -192,8 +198,8 @@ class ThreadedEngine(Engine):
                 q.threads.append(t)
                 t.start()
                 self._worker_ids.add(t.ident)
-            if self.on_new_worker is not None:
-                self.on_new_worker(sum(len(x.threads) for x in self._queues.values()))
+            from ..ops import _blas
+            _blas.set_budget(self.blas_budget())
         heapq.heappush(q.heap, op)
         if q.sleeping:                      # an awake worker looks at the heap before sleeping
             q.cond.notify()

@@ -1,21 +1,25 @@
-"""BLAS thread policy: small GEMMs on one thread, large ones on the thread budget.
+"""BLAS thread policy: every GEMM runs on the thread *budget*, and the budget changes only when
+the number of engine workers does (or inside :func:`hybridl.engine.blas_threads`).
 
-OpenBLAS (NumPy's BLAS) starts its thread pool for every GEMM above a tiny size; for the
-small matrices of a LeNet step the hand-over costs more than it gains, and on a loaded machine
-spinning BLAS threads can make a step 5-10x slower. Kernels call :func:`for_gemm` before a
-GEMM: below ``HYBRIDL_BLAS_MT_FLOPS`` (default 2e6 flops, about a 100^3 product) one thread is
-used, above it the budget set by the engine (cores // busy workers). Measured on the 2-core
-development VM (quiet): two threads win 1.1-1.8x from ~2e6 flops with outputs of >= 4096
-elements (128x120 @ 120x84: 48 -> 27 us; 256x128 @ 128x128: 130 -> 75 us); below that OpenBLAS
-gains nothing. Switching costs ~2 us
-through threadpoolctl's OpenBLAS controller and only happens when the wanted count changes.
+The budget is ``cores // compute workers`` (the engine sets it), so that workers x BLAS threads
+<= cores when several workers compute at once. Kernels call :func:`for_gemm` before a GEMM; it
+applies the budget to the BLAS library (threadpoolctl's controller; ~2 us, only when it changed).
+
+Why not a thread count per GEMM shape (one thread for small products)? OpenBLAS's pool size is
+process-wide, and its result depends on it: the same product on 1 and 2 threads differs in the
+last bits (the work is split and blocked differently; measured on the development VM for 6 of 7
+shapes). Per-GEMM switching from several threads at once (two device workers, or a tiny op run
+inline in the frontend while a worker multiplies) races: a GEMM may run on the count another
+thread just set, and results stop being reproducible. With one count for everything, a result
+depends only on the shapes and the budget: identical run to run, for the naive and the threaded
+engine, and inline or on a worker. Runs with different budgets (one device vs two devices on 2
+cores: 2 vs 1 BLAS threads) agree to float rounding, as with PyTorch or MKL at different thread
+counts. OpenBLAS itself keeps small products on one thread.
 """
 import os
 
 __all__ = ["for_gemm", "set_budget", "budget"]
 
-MT_FLOPS = float(os.environ.get("HYBRIDL_BLAS_MT_FLOPS", 2e6))
-MT_OUT = int(os.environ.get("HYBRIDL_BLAS_MT_OUT", 64 * 64))
 _state = {"ctl": None, "cur": None, "max": os.cpu_count() or 1, "ok": None}
 
 
@@ -33,10 +37,9 @@ def _controller():
 
 
 def for_gemm(m, n, k):
-    """Set the BLAS thread count suited to an (m x k) @ (k x n) product: several threads only
-    when it has >= ``MT_FLOPS`` flops AND an output of >= ``MT_OUT`` elements (OpenBLAS splits
-    the output among threads; a tall-skinny product with a tiny output gains nothing)."""
-    want = _state["max"] if (2.0 * m * n * k >= MT_FLOPS and m * n >= MT_OUT) else 1
+    """Make the BLAS pool size equal to the budget before an (m x k) @ (k x n) product (the
+    shape is accepted for the cost model's sake; the count does not depend on it, see above)."""
+    want = _state["max"]
     if want != _state["cur"]:
         ctl = _controller()
         if ctl is not None:
@@ -45,11 +48,11 @@ def for_gemm(m, n, k):
 
 
 def set_budget(n):
-    """Maximum BLAS threads per GEMM (the engine sets cores // busy workers)."""
+    """BLAS threads for every GEMM from now on (the engine sets cores // compute workers)."""
     _state["max"] = max(1, int(n))
     _state["cur"] = None
 
 
 def budget():
-    """The current maximum BLAS threads per GEMM."""
+    """The current BLAS threads per GEMM."""
     return _state["max"]
