@@ -316,7 +316,8 @@ class MemoryPlan:
         naive_bytes (int): bytes of every freshly allocated value (no reuse; views are free).
         planned_bytes (int): buffer bytes plus values still allocated fresh (outputs and what
             can alias them).
-        fresh_bytes (int): the part of both that is allocated fresh on every call.
+        fresh_bytes (int): the part of both that holds results: the graph's outputs and the
+            values they may be views of (allocated fresh on every call, handed to the caller).
     """
 
     def __init__(self):
@@ -330,10 +331,12 @@ class MemoryPlan:
 
     @property
     def internal_ratio(self):
-        """Intermediates only (outputs excluded on both sides): buffer bytes / naive bytes of
-        the planned values."""
+        """Internal memory only, as in MXNet's memory-cost estimate (intermediate nodes; the
+        results handed to the caller -- for a training program the gradients and the loss --
+        are excluded on both sides): (planned - fresh_bytes) / (naive - fresh_bytes). Values
+        that cannot be planned (kernels without ``out=``) count on both sides."""
         naive = self.naive_bytes - self.fresh_bytes
-        return sum(self.buffers) / naive if naive else 1.0
+        return (self.planned_bytes - self.fresh_bytes) / naive if naive else 1.0
 
     def __repr__(self):
         return (f"MemoryPlan({len(self.buffers)} buffers, naive {self.naive_bytes} B, planned "
@@ -350,7 +353,8 @@ def plan_memory(graph):
     A value gets a planned buffer when its kernel accepts ``out=``, it is not an output and no
     output can alias it (ops without ``out=`` may return views of their inputs, so their
     outputs extend the lifetime of the buffers they read). Buffers are reused greedily (best
-    fit) once the last reader of every value aliasing them has run; an elementwise op whose
+    fit; when no free buffer is big enough the largest free one grows rather than a new one
+    being added) once the last reader of every value aliasing them has run; an elementwise op whose
     input dies at that op writes in place into the input's buffer. The plan is attached as
     ``graph.memory_plan`` and used by code generation.
     """
@@ -410,7 +414,11 @@ def plan_memory(graph):
                 for o in n.outputs():
                     alias[o.key()] = bufs
             if n.op.name not in _VIEW_OPS:
-                plan.planned_bytes += sum(int(np.prod(s)) * d.itemsize for s, d in n.specs)
+                for o, (s, d) in zip(n.outputs(), n.specs):
+                    nb = int(np.prod(s)) * d.itemsize
+                    plan.planned_bytes += nb
+                    if o.key() in escapes:      # the memory of a result, not an intermediate
+                        plan.fresh_bytes += nb
             continue
         key = n.outputs()[0].key()
         shape, dt = n.specs[0]
@@ -438,6 +446,10 @@ def plan_memory(graph):
         if fits:
             sz, b = fits[0]
             free.remove((sz, b))
+        elif free:      # none big enough: grow the largest free one (as MXNet's allocator)
+            sz, b = max(free)
+            free.remove((sz, b))
+            plan.buffers[b] = need
         else:
             b = len(plan.buffers)
             plan.buffers.append(need)
