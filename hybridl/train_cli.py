@@ -63,6 +63,9 @@ def build_parser(prog="hybridl train"):
     p.add_argument("--batch-size", type=_positive_int, default=None,
                    help="total batch per step (default 32 for digits, 128 otherwise)")
     p.add_argument("--lr", type=_positive_float, default=None, help="default 0.05 sgd / 0.002 adam")
+    p.add_argument("--lr-schedule", default="cosine", choices=("cosine", "constant"),
+                   help="cosine (default): the learning rate decays from --lr to 0 over the "
+                        "run, per step (Loshchilov & Hutter 2017, without restarts); constant")
     p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "adamw"))
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--wd", type=float, default=0.0)
@@ -125,17 +128,38 @@ def evaluate(net, loader, devices=None):
     return correct / max(total, 1)
 
 
+def cosine_lr(base_lr, total_steps):
+    """The cosine schedule without restarts (Loshchilov & Hutter 2017, "SGDR", eq. 5 with one
+    cycle and eta_min = 0): ``lr(t) = base_lr * (1 + cos(pi * t / total_steps)) / 2`` for step
+    ``t`` in ``[0, total_steps)`` -- ``base_lr`` at the first step, near 0 at the last.
+
+    Returns:
+        a function ``step -> learning rate``.
+
+    Raises:
+        ValueError: ``total_steps`` < 1 or ``base_lr`` < 0.
+    """
+    if not total_steps >= 1:
+        raise ValueError(f"total_steps: expected an integer >= 1, got {total_steps!r}")
+    if not base_lr >= 0:
+        raise ValueError(f"base_lr: expected a number >= 0, got {base_lr!r}")
+    return lambda t: base_lr * 0.5 * (1.0 + math.cos(math.pi * min(t, total_steps) / total_steps))
+
+
 def fit(net, trainer, train_loader, test_loader, epochs, loss_fn=None, log=print,
-        progress=True, rank0=True, step_hook=None, batch_fn=None):
+        progress=True, rank0=True, step_hook=None, batch_fn=None, lr_schedule=None):
     """Train ``net`` for ``epochs``; returns a list of per-epoch dicts (loss, train_acc,
     test_acc, samples_per_s, seconds). Per-epoch loss is the mean per-sample loss.
 
     ``batch_fn(x, y) -> (per-sample losses, outputs)``, when given, replaces the default
     record/forward/backward of a batch (e.g. a pipeline's micro-batch schedule); the trainer
-    step, the statistics and the printed lines stay the same."""
+    step, the statistics and the printed lines stay the same. ``lr_schedule(step) -> lr``
+    (e.g. :func:`cosine_lr`), when given, sets the learning rate before every step (``step``
+    counts from 0 over the whole run)."""
     from . import autograd, loss as L, nd
     loss_fn = loss_fn or L.SoftmaxCrossEntropyLoss()
     history = []
+    step = 0
     for epoch in range(1, epochs + 1):
         t0 = time.perf_counter()
         it = train_loader
@@ -146,6 +170,9 @@ def fit(net, trainer, train_loader, test_loader, epochs, loss_fn=None, log=print
                        unit="batch", file=sys.stderr, dynamic_ncols=True)
         sums, n_seen = [], 0
         for x, y in it:
+            if lr_schedule is not None:
+                trainer.set_learning_rate(lr_schedule(step))
+            step += 1
             if batch_fn is not None:
                 loss, out = batch_fn(x, y)
             else:
@@ -186,6 +213,13 @@ def _setup(args):
         args.batch_size = 32 if args.dataset == "digits" else 128
     if args.lr is None:
         args.lr = 0.05 if args.optimizer == "sgd" else 0.002
+
+
+def lr_schedule(args, steps_per_epoch):
+    """The schedule ``--lr-schedule`` names, for ``args.epochs`` epochs (None: constant)."""
+    if getattr(args, "lr_schedule", "constant") != "cosine":
+        return None
+    return cosine_lr(args.lr, max(1, args.epochs * steps_per_epoch))
 
 
 def main_train(argv=None):
@@ -257,11 +291,12 @@ def _train(args):
     if rank0:
         print(f"hybridl train: {args.model} on {args.dataset} ({len(train_set)} train / "
               f"{len(test_set)} test images), {args.epochs} epoch(s), batch {args.batch_size}, "
-              f"{args.optimizer} lr {args.lr}, device {devices[0]}, "
+              f"{args.optimizer} lr {args.lr} ({args.lr_schedule}), device {devices[0]}, "
               f"{'hybridized' if not args.no_hybridize else 'imperative'}", flush=True)
     t0 = time.perf_counter()
     hist = fit(net, trainer, train_loader, test_loader, args.epochs,
-               progress=not args.quiet and sys.stderr.isatty(), rank0=rank0)
+               progress=not args.quiet and sys.stderr.isatty(), rank0=rank0,
+               lr_schedule=lr_schedule(args, len(train_loader)))
     total = time.perf_counter() - t0
     last = hist[-1]
     if args.save and rank0:

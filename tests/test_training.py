@@ -132,6 +132,7 @@ BAD_OPTIONS = [
     (("--dataset", "mnist", "--data-dir", "/nonexistent"), "/nonexistent"),
     (("--batch-size", "abc"), "--batch-size"),
     (("--momentum", "5"), "momentum"),
+    (("--lr-schedule", "linear"), "--lr-schedule"),
     (("--save", "/nonexistent/p.safetensors"), "/nonexistent"),     # before training, not after
 ]
 
@@ -179,3 +180,30 @@ def test_fit_and_evaluate_in_process():
     acc = evaluate(net, test)
     assert acc == hist[-1]["test_acc"]
     assert acc >= 0.9
+
+
+def test_cosine_schedule_values_and_use_in_fit():
+    import math
+    from hybridl import data, models, optim
+    from hybridl.train_cli import cosine_lr, fit
+    f = cosine_lr(0.1, 8)
+    want = [0.1 * (1 + math.cos(math.pi * t / 8)) / 2 for t in range(8)]
+    np.testing.assert_allclose([f(t) for t in range(8)], want, rtol=1e-12)
+    assert f(0) == 0.1 and f(4) == pytest.approx(0.05) and f(8) == pytest.approx(0.0, abs=1e-15)
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match="total_steps"):
+            cosine_lr(0.1, bad)
+    # fit sets the rate before every step: the trainer ends on the last step's rate
+    hl.random.seed(0)
+    train = data.DataLoader(data.Digits(train=True), 512, last_batch="discard")
+    net = models.mlp((16,), 10)
+    net.initialize()
+    trainer = optim.Trainer(net.collect_params(), "sgd", dict(learning_rate=0.1))
+    seen = []
+    orig = trainer.set_learning_rate
+    trainer.set_learning_rate = lambda lr: (seen.append(lr), orig(lr))
+    fit(net, trainer, train, None, 2, log=lambda s: None, progress=False,
+        lr_schedule=cosine_lr(0.1, 2 * len(train)))
+    n = 2 * len(train)
+    np.testing.assert_allclose(seen, [0.1 * (1 + math.cos(math.pi * t / n)) / 2 for t in range(n)])
+    assert trainer.learning_rate == pytest.approx(seen[-1])

@@ -99,7 +99,7 @@ def train_multi_device(args, net, train_loader, test_loader, devices, opt_params
     """
     from .. import loss as L
     from .. import optim
-    from ..train_cli import fit
+    from ..train_cli import fit, lr_schedule
     from . import DataParallel, transfer
     from .pipeline import Pipeline, split_stages
     strategy = getattr(args, "strategy", "data") or "data"
@@ -156,7 +156,7 @@ def train_multi_device(args, net, train_loader, test_loader, devices, opt_params
     t0 = time.perf_counter()
     hist = fit(model, trainer, train_loader, test_loader, args.epochs,
                progress=not getattr(args, "quiet", False) and sys.stderr.isatty(),
-               batch_fn=batch_fn)
+               batch_fn=batch_fn, lr_schedule=lr_schedule(args, len(train_loader)))
     total = time.perf_counter() - t0
     last = hist[-1]
     saved = ""
