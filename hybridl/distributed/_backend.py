@@ -210,7 +210,9 @@ def push_collective(fn, reads=(), writes=(), name="collective", nbytes=0, priori
 
     w = list(writes)
     w.append(COMM_VAR)
-    _engine.push(run, reads, w, COMM_KEY, priority, name, {"bytes": float(nbytes)})
+    # a thread waiting for the result may run it itself (it would only block meanwhile)
+    _engine.push(run, reads, w, COMM_KEY, priority, name,
+                 {"bytes": float(nbytes), "waiter_may_run": True})
     return seq
 
 

@@ -264,11 +264,19 @@ class ThreadedEngine(Engine):
                     return
                 q = self._queues.get(op.key)
                 job = None
-                if q is not None and q.heap and self.inline_s > 0 and q.heap[0].pure:
-                    cell = q.heap[0].cell
-                    tiny = cell is not None and cell[0] is not None and cell[0] < self.inline_s
-                    if tiny or not q.busy:        # a busy worker takes a big op next anyway;
-                        job = heapq.heappop(q.heap)   # running it here too would oversubscribe
+                if q is not None and q.heap and self.inline_s > 0:
+                    head = q.heap[0]
+                    if head.pure:
+                        cell = head.cell
+                        tiny = cell is not None and cell[0] is not None and cell[0] < self.inline_s
+                        if tiny or not q.busy:    # a busy worker takes a big op next anyway;
+                            job = heapq.heappop(q.heap)   # running it here would oversubscribe
+                            q.busy += 1
+                    elif (not q.busy and head.meta is not None
+                          and head.meta.get("waiter_may_run")):
+                        # an op that only blocks (a collective): the waiting thread would block
+                        # anyway; running it here saves two thread hand-overs
+                        job = heapq.heappop(q.heap)
                         q.busy += 1
                 if job is None:
                     if op.event is None:
