@@ -18,7 +18,6 @@ every Var the op writes. An op that reads a failed Var does not run and passes t
 the Vars it writes. The error is raised when a failed Var is waited for (``wait_for``) and by
 ``waitall()``.
 """
-import os
 import threading
 import time
 import traceback
@@ -237,8 +236,10 @@ class Engine:
         return _Bulk(self, size)
 
     def blas_budget(self):
-        """BLAS threads per GEMM under this engine: every core (ops run one at a time)."""
-        return os.cpu_count() or 1
+        """BLAS threads per GEMM under this engine: every core it may use (ops run one at a
+        time; see :func:`hybridl.ops._blas.cores`)."""
+        from ..ops import _blas
+        return _blas.cores()
 
     def shutdown(self):
         """Stop the workers (queued ops are cancelled). Called at interpreter exit."""

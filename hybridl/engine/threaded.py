@@ -173,11 +173,12 @@ class ThreadedEngine(Engine):
         return True
 
     def blas_budget(self):
-        """cores // compute workers started so far (copy queues not counted: they move memory),
+        """cores() // compute workers started so far (copy queues not counted: they move memory),
         so that workers x BLAS threads <= cores when they all compute."""
+        from ..ops import _blas
         n = sum(len(q.threads) for k, q in self._queues.items()
                 if not (type(k) is tuple and k and k[0] == "copy"))
-        return max(1, (os.cpu_count() or 1) // max(1, n))
+        return max(1, _blas.cores() // max(1, n))
 
     def _run_here(self, op, q):
         """Run ``op`` (already counted in ``q.busy``) in the calling thread, then finish it."""

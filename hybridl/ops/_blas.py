@@ -1,7 +1,7 @@
 """BLAS thread policy: every GEMM runs on the thread *budget*, and the budget changes only when
 the number of engine workers does (or inside :func:`hybridl.engine.blas_threads`).
 
-The budget is ``cores // compute workers`` (the engine sets it), so that workers x BLAS threads
+The budget is ``cores() // compute workers`` (the engine sets it), so that workers x BLAS threads
 <= cores when several workers compute at once. Kernels call :func:`for_gemm` before a GEMM; it
 applies the budget to the BLAS library (threadpoolctl's controller; ~2 us, only when it changed).
 
@@ -18,9 +18,25 @@ counts. OpenBLAS itself keeps small products on one thread.
 """
 import os
 
-__all__ = ["for_gemm", "set_budget", "budget"]
+__all__ = ["for_gemm", "set_budget", "budget", "cores"]
 
-_state = {"ctl": None, "cur": None, "max": os.cpu_count() or 1, "ok": None}
+
+def cores():
+    """The BLAS threads this process may use in all: the CPUs it may run on (its affinity
+    mask, e.g. one core per rank under ``mpiexec -bind-to core``), capped by
+    ``OPENBLAS_NUM_THREADS`` (else ``OMP_NUM_THREADS``) when set to a positive integer."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+        v = os.environ.get(var, "").strip()
+        if v.isdigit() and int(v) > 0:
+            return max(1, min(n, int(v)))
+    return max(1, n)
+
+
+_state = {"ctl": None, "cur": None, "max": cores(), "ok": None}
 
 
 def _controller():
