@@ -1,6 +1,6 @@
 """Multi-process (MPI) benchmark: data-parallel weak scaling, allreduce latency and bandwidth.
 
-    python benchmarks/distributed.py [--quick] [--json out.json]
+    python benchmarks/distributed.py [--quick] [--bind core|none] [--json out.json]
 
 Needs mpi4py and mpiexec (``pip install 'hybridl[mpi]'``). The script is a driver: it runs
 itself under ``mpiexec -n 1`` and ``-n 2`` (worker mode) and prints the figures.
@@ -8,7 +8,8 @@ itself under ``mpiexec -n 1`` and ``-n 2`` (worker mode) and prints the figures.
 1. Training throughput, weak scaling: every rank trains on its own batch of 64 synthetic
    samples per step (MLP 784-512-256-10 and LeNet on 1x28x28, hybridized, SGD with momentum,
    kvstore 'dist' with 2 ranks), ONE BLAS thread per rank (``OPENBLAS_NUM_THREADS=1`` and
-   ``hybridl.ops._blas.set_budget(1)``) so that N ranks use N cores. Throughput = global
+   ``hybridl.ops._blas.set_budget(1)``) and, by default, every rank pinned to its own core
+   (``--bind core``: ``mpiexec -bind-to core``) so that N ranks use N cores. Throughput = global
    samples/s; weak-scaling efficiency = throughput(N ranks) / (N x throughput(1 rank)); 100%
    means communication is free (fully hidden behind compute or negligible).
 2. Allreduce (sum, float32) over 2 ranks vs message size: latency (median time of one call)
@@ -134,6 +135,11 @@ def _worker_allreduce(args):
 # ============================================================================ driver side
 
 
+# mpiexec options per --bind mode (MPICH hydra / Open MPI both spell it "-bind-to core")
+_BIND = {"core": ["-bind-to", "core"], "none": []}
+_bind_mode = "core"
+
+
 def _run(mpiexec, n, argv, timeout=600):
     env = dict(os.environ)
     env["OPENBLAS_NUM_THREADS"] = "1"
@@ -142,8 +148,8 @@ def _run(mpiexec, n, argv, timeout=600):
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
-    cmd = [mpiexec, "-n", str(n), sys.executable, os.path.abspath(__file__), "--worker",
-           *argv, "--out", out]
+    cmd = [mpiexec, *_BIND[_bind_mode], "-n", str(n), sys.executable, os.path.abspath(__file__),
+           "--worker", *argv, "--out", out]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
@@ -171,7 +177,14 @@ def main():
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--sizes", type=int, nargs="*", default=None)
     p.add_argument("--out", default=None)
+    p.add_argument("--bind", default="core", choices=("core", "none"),
+                   help="core (default): every rank pinned to its own core (mpiexec -bind-to "
+                        "core), so 1 rank uses 1 core and N ranks N cores -- the usual weak-"
+                        "scaling set-up; none: the OS places the threads (a single rank then "
+                        "also uses the other core for its frontend/engine threads)")
     args = p.parse_args()
+    global _bind_mode
+    _bind_mode = args.bind
     if args.worker == "train":
         return _worker_train(args)
     if args.worker == "allreduce":
@@ -185,7 +198,8 @@ def main():
         return 1
     from _common import machine_line
     print(machine_line())
-    print(f"mpiexec: {mpiexec}; cores: {os.cpu_count()}; BLAS threads per rank: 1")
+    print(f"mpiexec: {mpiexec}; cores: {os.cpu_count()}; BLAS threads per rank: 1; "
+          f"binding: {'one core per rank' if args.bind == 'core' else 'none'}")
     steps = 15 if args.quick else args.steps
     trials = 3 if args.quick else args.trials
     report = {"training": [], "allreduce": None}
