@@ -236,8 +236,12 @@ def _conv_conv2d(c, node, ins, outs):
     a = node.attrs
     ph, pw = a["padding"]
     kh, kw = node.inputs[1].shape[2:]
-    c.node("Conv", ins, outs, kernel_shape=[int(kh), int(kw)], strides=list(a["stride"]),
+    relu = a.get("act") == "relu"               # fused activation: Conv into a temp, then Relu
+    conv_outs = [c.fresh("conv")] if relu else outs
+    c.node("Conv", ins, conv_outs, kernel_shape=[int(kh), int(kw)], strides=list(a["stride"]),
            pads=[ph, pw, ph, pw], dilations=list(a["dilation"]), group=int(a["groups"]))
+    if relu:
+        c.node("Relu", conv_outs, outs)
 
 
 def _pool_attrs(a):

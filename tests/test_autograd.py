@@ -288,6 +288,9 @@ def test_grad_conv2d(xs, ws, s, p, d, g):
     kw = dict(stride=s, padding=p, dilation=d, groups=g)
     check_grad(lambda x, w, b: nd.conv2d(x, w, b, **kw), U(*xs), U(*ws), U(ws[0]))
     check_grad(lambda x, w: nd.conv2d(x, w, **kw), U(*xs), U(*ws), seed=1)
+    # fused relu (Conv2D(activation='relu')): gradient through the in-place max
+    check_grad(lambda x, w, b: nd.conv2d(x, w, b, act="relu", **kw), U(*xs), U(*ws), U(ws[0]),
+               seed=2)
 
 
 @pytest.mark.parametrize("xs,k,s,p", [((1, 2, 4, 4), 2, None, 0), ((1, 2, 5, 5), 3, 2, 1),
@@ -600,3 +603,23 @@ def test_fully_connected_fused_relu_equals_relu_of_fc():
     np.testing.assert_allclose(got, np.maximum(x @ w.T + b, 0), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="act"):
         nd.fully_connected(nd.array(x), nd.array(w), act="gelu")
+
+
+def test_conv2d_fused_relu_equals_relu_of_conv_eager_and_hybridized():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 3, 7, 7)).astype(np.float32)
+    w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(4).astype(np.float32)
+    plain = nd.relu(nd.conv2d(nd.array(x), nd.array(w), nd.array(b), padding=1)).asnumpy()
+    fused = nd.conv2d(nd.array(x), nd.array(w), nd.array(b), padding=1, act="relu").asnumpy()
+    np.testing.assert_array_equal(fused, plain)
+    with pytest.raises(ValueError, match="act"):
+        nd.conv2d(nd.array(x), nd.array(w), act="tanh")
+    net = hl.nn.Conv2D(4, 3, padding=1, activation="relu", in_channels=3)
+    net.initialize()
+    net.weight.set_data(w)
+    net.bias.set_data(b)
+    eager = net(nd.array(x)).asnumpy()
+    net.hybridize()
+    np.testing.assert_array_equal(net(nd.array(x)).asnumpy(), eager)
+    np.testing.assert_array_equal(eager, plain)

@@ -106,9 +106,11 @@ class Conv2D(HybridBlock):
             if len(x.shape) != 4:
                 raise ValueError(f"Conv2D: expected 4-D input (N, C, H, W), got shape {x.shape}")
             self.weight._finish_deferred_init((self._channels, x.shape[1] // self._groups) + self._kernel)
+        fused = self._act_name == "relu"      # fused into the convolution kernel
         y = F.conv2d(x, _data(self.weight, x), None if self.bias is None else _data(self.bias, x),
-                     self._strides, self._padding, self._dilation, self._groups)
-        return self._act(y) if self._act else y
+                     self._strides, self._padding, self._dilation, self._groups,
+                     act="relu" if fused else None)
+        return self._act(y) if self._act and not fused else y
 
     def _extra_repr(self):
         return f"{self.weight.shape[1] * self._groups or None} -> {self._channels}, kernel_size={self._kernel}, stride={self._strides}, padding={self._padding}"

@@ -8,7 +8,7 @@ from .. import kernels as K
 from . import _blas
 from ._util import check_float, norm_axis, numel
 from .dispatch import apply
-from .math import add, exp, multiply, subtract, sum, take, take_grad
+from .math import add, exp, multiply, relu_grad, subtract, sum, take, take_grad
 from .registry import register
 
 # ============================================================================ softmax family
@@ -96,7 +96,9 @@ def _pair(v, name, arg):
     return v
 
 
-def _conv_infer(x, w, *b, stride, padding, dilation, groups):
+def _conv_infer(x, w, *b, stride, padding, dilation, groups, act=None):
+    if act not in (None, "relu"):
+        raise ValueError(f"conv2d: act must be None or 'relu', got {act!r}")
     check_float("conv2d", x)
     for n, p in (("weight", w),) + ((("bias", b[0]),) if b else ()):
         if p.dtype != x.dtype:
@@ -117,10 +119,13 @@ def _conv_gemm(x_shape, w_shape, stride, padding, dilation):
     return N * oh * ow, Cg * KH * KW, O
 
 
-def _conv_kernel(x, w, b=None, *, stride, padding, dilation, groups, out=None):
+def _conv_kernel(x, w, b=None, *, stride, padding, dilation, groups, act=None, out=None):
     rows, cols, o = _conv_gemm(x.shape, w.shape, stride, padding, dilation)
     _blas.for_gemm(rows, o, cols)
-    return K.conv2d(x, w, b, stride, padding, dilation, groups, out=out)
+    y = K.conv2d(x, w, b, stride, padding, dilation, groups, out=out)
+    if act is not None:                  # fused ReLU: in place, one op and one array less
+        np.maximum(y, 0, out=y)
+    return y
 
 
 def _conv_gx_kernel(g, w, x_shape, stride, padding, dilation, groups, out=None):
@@ -138,6 +143,9 @@ def _conv_gw_kernel(g, x, w_shape, stride, padding, dilation, groups, out=None):
 def _g_conv(c, g):
     x, w = c.inputs[0], c.inputs[1]
     a = c.attrs
+    if a.get("act") == "relu":
+        g = relu_grad(g, c.outputs[0])
+        a = {k: v for k, v in a.items() if k != "act"}
     gx = apply(CONV_GX, g, w, x_shape=tuple(x.shape), **a) if c.needs[0] else None
     gw = apply(CONV_GW, g, x, w_shape=tuple(w.shape), **a) if c.needs[1] else None
     if len(c.inputs) == 3:
@@ -161,17 +169,21 @@ CONV_GW = register("conv2d_grad_weight", _conv_gw_kernel,
                    cost=lambda i, o, s, **a: _conv_cost([i[1], o[0]], [i[0]], s))
 
 
-def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, act=None):
     """2-D convolution (cross-correlation), NCHW, via im2col + GEMM (Chellapilla et al. 2006).
 
     Shapes: x (N, C, H, W); weight (O, C // groups, KH, KW); bias (O,) -> (N, O, OH, OW) with
-    OH = (H + 2 ph - dh (KH - 1) - 1) // sh + 1.
+    OH = (H + 2 ph - dh (KH - 1) - 1) // sh + 1. ``act``: None or 'relu' (applied in place in
+    the same kernel: one op instead of two).
 
     Raises:
-        ValueError: wrong ndim, channel/group mismatch, kernel larger than the padded input.
+        ValueError: wrong ndim, channel/group mismatch, kernel larger than the padded input,
+            unknown act.
     """
     attrs = dict(stride=_pair(stride, "conv2d", "stride"), padding=_pair(padding, "conv2d", "padding"),
                  dilation=_pair(dilation, "conv2d", "dilation"), groups=int(groups))
+    if act is not None:
+        attrs["act"] = act
     if bias is None:
         return apply(CONV, x, weight, **attrs)
     return apply(CONV, x, weight, bias, **attrs)
