@@ -8,7 +8,8 @@ Each row is the median wall time (ms) over ``--reps`` repetitions (after one war
 kernel call; "fwd+bwd" rows time the forward plus every backward the LeNet training step needs
 (conv1's input is the data, so no grad w.r.t. it). torch backward is timed through
 autograd.grad on a fresh graph, so its column includes building that graph. TOTAL sums the
-conv1/pool1/conv2/pool2 fwd+bwd rows.
+conv1/pool1/conv2/pool2 fwd+bwd rows (max pooling); the avgpool rows (the pooling of the LeNet in
+train_step.py) are reported separately.
 
 On a shared 2-core machine whose other core is busy, any 2-thread library call (OpenBLAS GEMM,
 torch's OpenMP regions) waits for a scheduler slice for its second thread and can run 4-10x
@@ -158,6 +159,24 @@ def build_cases(N, rng):
         torch.autograd.grad(p, (T["y2g"],), T["dp2"])
 
     cases.append(("pool2 fwd+bwd", h_pool2, t_pool2 if torch else None, True))
+
+    # average pooling, as in the LeNet of benchmarks/train_step.py (AvgPool2D(2)); not in TOTAL
+    def h_apool(y, dp):
+        def f():
+            K.avg_pool2d(y, (2, 2), (2, 2), p0)
+            K.avg_pool2d_grad(dp, y.shape, (2, 2), (2, 2), p0)
+        return f
+
+    def t_apool(yk, dpk):
+        def f():
+            p = F.avg_pool2d(T[yk], 2, 2)
+            torch.autograd.grad(p, (T[yk],), T[dpk])
+        return f
+
+    cases.append(("avgpool1 fwd", lambda: K.avg_pool2d(y1, (2, 2), (2, 2), p0),
+                  (lambda: F.avg_pool2d(T["y1"], 2, 2)) if torch else None, False))
+    cases.append(("avgpool1 fwd+bwd", h_apool(y1, dp1), t_apool("y1g", "dp1") if torch else None, False))
+    cases.append(("avgpool2 fwd+bwd", h_apool(y2, dp2), t_apool("y2g", "dp2") if torch else None, False))
 
     # softmax cross-entropy on (N,10)
     def h_ce():

@@ -444,6 +444,8 @@ def test_norm_softmax_vs_torch():
 
 
 def test_conv_cols_cache_is_transparent():
+    # (the kernels no longer cache columns between forward and backward; set_cols_cache_bytes
+    # remains as a no-op setting, and the weight gradient must track x mutated in place)
     from hybridl.kernels import conv as C
     x = RNG.standard_normal((2, 3, 8, 8))
     w = RNG.standard_normal((4, 3, 3, 3))
@@ -491,3 +493,177 @@ def test_conv2d_property_random_geometry():
         close(np.sum(K.conv2d_grad_weight(dy, x, w.shape, *args) * w), s, 1e-9)
 
     check()
+
+
+# ------------------------------------------------------------------------------------------
+# batch-blocked conv / fast avg-pool paths against straightforward float64 references
+# ------------------------------------------------------------------------------------------
+
+def _windows64(x, KH, KW, stride, padding, dilation):
+    """float64 (N, C, OH, OW, KH, KW) view of the zero-padded input's windows."""
+    from numpy.lib.stride_tricks import sliding_window_view
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    win = sliding_window_view(xp, (dh * (KH - 1) + 1, dw * (KW - 1) + 1), axis=(2, 3))
+    return win[:, :, ::sh, ::sw, ::dh, ::dw]
+
+
+def ref64_conv(x, w, b, stride, padding, dilation, groups):
+    """(y, dx(dy), dw(dy)) references in float64 by einsum over windows (no im2col, no blocks)."""
+    N, C, H, W = x.shape
+    O, Cg, KH, KW = w.shape
+    win = _windows64(x, KH, KW, stride, padding, dilation)
+    w64 = w.astype(np.float64)
+    Og = O // groups
+    y = np.concatenate([np.einsum("nchwij,ocij->nohw", win[:, g * Cg:(g + 1) * Cg], w64[g * Og:(g + 1) * Og])
+                        for g in range(groups)], axis=1)
+    if b is not None:
+        y = y + b.astype(np.float64)[None, :, None, None]
+
+    def grads(dy):
+        dy = dy.astype(np.float64)
+        dw = np.concatenate([np.einsum("nohw,nchwij->ocij", dy[:, g * Og:(g + 1) * Og], win[:, g * Cg:(g + 1) * Cg])
+                             for g in range(groups)], axis=0)
+        (sh, sw), (ph, pw), (dh, dwl) = stride, padding, dilation
+        OH, OW = dy.shape[2:]
+        dxp = np.zeros((N, C, H + 2 * ph, W + 2 * pw))
+        for g in range(groups):
+            for i in range(KH):
+                for j in range(KW):
+                    dxp[:, g * Cg:(g + 1) * Cg, i * dh:i * dh + sh * (OH - 1) + 1:sh, j * dwl:j * dwl + sw * (OW - 1) + 1:sw] += \
+                        np.einsum("nohw,oc->nchw", dy[:, g * Og:(g + 1) * Og], w64[g * Og:(g + 1) * Og, :, i, j])
+        return dxp[:, :, ph:ph + H, pw:pw + W], dw
+
+    return y, grads
+
+
+FAST_CONV_CASES = [
+    # (N, C, H, W, O, KH, KW, stride, padding, dilation, groups)
+    (37, 1, 28, 28, 6, 5, 5, (1, 1), (2, 2), (1, 1), 1),  # LeNet conv1 (odd N: a partial block)
+    (37, 6, 14, 14, 16, 5, 5, (1, 1), (0, 0), (1, 1), 1),  # LeNet conv2
+    (5, 4, 9, 11, 6, 3, 3, (2, 2), (1, 1), (1, 1), 1),  # stride 2, padding 1
+    (5, 3, 12, 10, 4, 3, 2, (1, 1), (2, 1), (2, 2), 1),  # dilation 2 (wide path)
+    (5, 4, 10, 9, 6, 3, 3, (1, 1), (1, 1), (1, 1), 2),  # groups 2 (wide path)
+    (4, 4, 11, 10, 4, 3, 3, (2, 1), (0, 2), (1, 2), 2),  # mixed, groups 2 (plain path)
+    (3, 2, 9, 8, 4, 3, 3, (1, 1), (0, 1), (1, 1), 1),  # 2 rows per GEMM column, odd OH
+    (3, 3, 9, 12, 4, 3, 3, (1, 1), (1, 0), (1, 2), 1),  # 2 rows per column, W-dilation, odd OH
+    (3, 2, 6, 5, 3, 1, 1, (1, 1), (0, 0), (1, 1), 1),  # 1x1 kernel
+    (3, 2, 5, 30, 3, 2, 12, (1, 1), (0, 0), (1, 1), 1),  # Wp > 2*OW: plain path at stride 1
+    (1, 3, 8, 7, 2, 3, 3, (1, 1), (1, 1), (1, 1), 1),  # N=1
+    (0, 3, 8, 7, 2, 3, 3, (1, 1), (1, 1), (1, 1), 1),  # N=0
+]
+
+
+def test_conv_fast_path_selection():
+    # the cases above reach every column layout: LeNet conv1 (O=6) computes 2 output rows per
+    # GEMM column, conv2 is 'wide', stride 2 is plain
+    from hybridl.kernels import conv as C
+    g1 = C._Geometry((8, 1, 28, 28), (6, 1, 5, 5), (1, 1), (2, 2), (1, 1), 1, 28, 28)
+    g2 = C._Geometry((8, 6, 14, 14), (16, 6, 5, 5), (1, 1), (0, 0), (1, 1), 1, 10, 10)
+    g3 = C._Geometry((5, 4, 9, 11), (6, 4, 3, 3), (2, 2), (1, 1), (1, 1), 1, 5, 6)
+    assert (g1.wide, g1.R) == (True, 2) and (g2.wide, g2.R) == (True, 1) and (g3.wide, g3.R) == (False, 1)
+
+
+@pytest.mark.parametrize("case", FAST_CONV_CASES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("block_bytes", [None, 1])
+def test_conv_blocked_paths_match_float64_reference(case, dtype, block_bytes, monkeypatch):
+    from hybridl.kernels import conv as C
+    if block_bytes is not None:
+        monkeypatch.setattr(C, "_BLOCK_BYTES", block_bytes)  # one sample per block
+        monkeypatch.setattr(C, "_BLOCK_BYTES_GRAD", block_bytes)
+    N, Cc, H, W, O, KH, KW, s, p, d, g = case
+    r = np.random.default_rng(7)
+    x = r.standard_normal((N, Cc, H, W)).astype(dtype)
+    w = r.standard_normal((O, Cc // g, KH, KW)).astype(dtype)
+    b = r.standard_normal(O).astype(dtype)
+    y_ref, grads = ref64_conv(x, w, b, s, p, d, g)
+    dy = r.standard_normal(y_ref.shape).astype(dtype)
+    dx_ref, dw_ref = grads(dy)
+    tol = 2e-4 if dtype == np.float32 else 1e-10
+    y = K.conv2d(x, w, b, s, p, d, g)
+    dx = K.conv2d_grad_input(dy, w, x.shape, s, p, d, g)
+    dw = K.conv2d_grad_weight(dy, x, w.shape, s, p, d, g)
+    for got, ref in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
+        assert got.dtype == dtype and got.shape == ref.shape
+        scale = max(1.0, float(np.abs(ref).max())) if ref.size else 1.0
+        np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * scale)
+
+
+def test_conv_blocked_out_noncontiguous_and_aliasing():
+    r = np.random.default_rng(3)
+    x = r.standard_normal((6, 4, 9, 9))
+    w = r.standard_normal((4, 4, 3, 3))
+    b = r.standard_normal(4)
+    args = ((1, 1), (1, 1), (1, 1), 1)
+    y_ref, grads = ref64_conv(x, w, b, *args)
+    dy = r.standard_normal(y_ref.shape)
+    dx_ref, dw_ref = grads(dy)
+    # non-contiguous input and out buffers
+    xt = np.asfortranarray(x)
+    out = np.empty((9, 9, 4, 6)).transpose(3, 2, 0, 1)
+    assert K.conv2d(xt, w, b, *args, out=out) is out
+    close(out, y_ref, 1e-10)
+    dxo = np.empty((9, 9, 4, 6)).transpose(3, 2, 0, 1)
+    assert K.conv2d_grad_input(np.asfortranarray(dy), w, x.shape, *args, out=dxo) is dxo
+    close(dxo, dx_ref, 1e-10)
+    # out aliasing an input (same-shape conv written over its own input / over dy)
+    xa = x.copy()
+    assert K.conv2d(xa, w, b, *args, out=xa) is xa
+    close(xa, y_ref, 1e-10)
+    dya = dy.copy()
+    assert K.conv2d_grad_input(dya, w, x.shape, *args, out=dya) is dya
+    close(dya, dx_ref, 1e-10)
+    # results do not alias the inputs
+    y = K.conv2d(x, w, None, (1, 1), (0, 0))
+    assert not np.may_share_memory(y, x)
+    dw = K.conv2d_grad_weight(dy, x, w.shape, *args)
+    dw_before = dw.copy()
+    K.conv2d_grad_weight(2 * dy, x, w.shape, *args)
+    close(dw, dw_before, 0)
+
+
+AVG_FAST_CASES = [
+    # (shape, kernel) with stride == kernel, no padding, divisible: the fast path
+    ((128, 6, 28, 28), (2, 2)),  # LeNet pool1
+    ((128, 16, 10, 10), (2, 2)),  # LeNet pool2
+    ((3, 2, 9, 6), (3, 3)),
+    ((3, 2, 8, 6), (2, 3)),
+    ((3, 2, 8, 6), (4, 1)),
+    ((3, 2, 8, 6), (1, 2)),
+    ((3, 2, 5, 7), (1, 1)),
+    ((1, 1, 2, 2), (2, 2)),
+    ((0, 3, 4, 4), (2, 2)),
+]
+
+
+@pytest.mark.parametrize("shape,k", AVG_FAST_CASES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_avg_pool_fast_path_matches_float64_reference(shape, k, dtype):
+    r = np.random.default_rng(5)
+    x = r.standard_normal(shape).astype(dtype)
+    N, C, H, W = shape
+    kh, kw = k
+    x64 = x.astype(np.float64)
+    y_ref = x64.reshape(N, C, H // kh, kh, W // kw, kw).mean(axis=(3, 5))
+    y = K.avg_pool2d(x, k, k, (0, 0))
+    assert y.dtype == dtype
+    tol = 1e-6 if dtype == np.float32 else 1e-14
+    close(y, y_ref, tol)
+    dy = r.standard_normal(y.shape).astype(dtype)
+    dx_ref = np.broadcast_to((dy.astype(np.float64) / (kh * kw))[:, :, :, None, :, None],
+                             (N, C, H // kh, kh, W // kw, kw)).reshape(shape)
+    dx = K.avg_pool2d_grad(dy, shape, k, k, (0, 0))
+    assert dx.dtype == dtype and dx.flags.c_contiguous
+    close(dx, dx_ref, tol)
+    # caller buffers: contiguous, non-contiguous; non-contiguous dy
+    out = np.empty(shape, dtype)
+    assert K.avg_pool2d_grad(dy, shape, k, k, (0, 0), out=out) is out
+    close(out, dx_ref, tol)
+    out = np.empty(shape[::-1], dtype).T
+    assert K.avg_pool2d_grad(np.asfortranarray(dy), shape, k, k, (0, 0), out=out) is out
+    close(out, dx_ref, tol)
+    yo = np.empty(y.shape[::-1], dtype).T
+    assert K.avg_pool2d(np.asfortranarray(x), k, k, (0, 0), out=yo) is yo
+    close(yo, y_ref, tol)
+    assert not np.may_share_memory(K.avg_pool2d(x, (1, 1), (1, 1), (0, 0)), x)
