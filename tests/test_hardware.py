@@ -191,13 +191,18 @@ def test_gemm_matches_direct_numpy_timing():
 
 
 def test_gemm_fp64_slower_and_scalar_much_slower():
-    (f32,) = hw.measure_gemm(384, "float32", threads=1, repeats=5)
-    (f64,) = hw.measure_gemm(384, "float64", threads=1, repeats=5)
+    # interleaved, best of 5 each: a burst of activity from another process hits one
+    # measurement, not the best of several (a single pair failed under load: 5.7 vs 10.6)
+    r32, r64 = [], []
+    for _ in range(5):
+        (f32,) = hw.measure_gemm(384, "float32", threads=1, repeats=1)
+        (f64,) = hw.measure_gemm(384, "float64", threads=1, repeats=1)
+        r32.append(f32.value)
+        r64.append(f64.value)
     sc = hw.measure_scalar_gemm(24, repeats=1)
     assert 0.1 < f64.value < 10000 and 0.1 < f32.value < 20000
-    # twice the lanes per vector: ~2x on a quiet machine; only the order is asserted, as
-    # other processes (a parallel test run, a build) can slow either measurement
-    assert f32.value > f64.value
+    # twice the lanes per vector: ~2x on a quiet machine; only the order is asserted
+    assert max(r32) > max(r64), (r32, r64)
     assert sc.unit == "GFLOP/s" and sc.value < f64.value / 20
 
 
