@@ -256,7 +256,8 @@ class NDArray:
             M.broadcast_shape_to("__setitem__", value.shape, sl)
             v = value
         else:
-            vv = np.asarray(value, dtype=self.dtype)
+            # a copy: the op runs later, and the caller may reuse its array meanwhile
+            vv = np.array(value, dtype=self.dtype, copy=True)
             try:
                 np.broadcast_to(vv, sl)
             except ValueError:
@@ -413,7 +414,7 @@ class NDArray:
         op = _INPLACE_OPS[fn]
         o = other
         if not isinstance(o, NDArray):
-            o = _const(np.asarray(o, _scalar_dtype(o, self.dtype)), self.device)
+            o = _const(np.array(o, _scalar_dtype(o, self.dtype), copy=True), self.device)
         elif o.device != self.device:
             raise ValueError(f"{op.name}: inputs are on different devices, {self.device!r} and "
                              f"{o.device!r}; copy one with x.copyto({self.device!r})")

@@ -12,7 +12,7 @@ import itertools
 import os
 import threading
 
-from .base import _MAX_PENDING_ERRORS, Engine
+from .base import _MAX_PENDING_ERRORS, Engine, _Op
 
 __all__ = ["ThreadedEngine"]
 
@@ -155,17 +155,32 @@ class ThreadedEngine(Engine):
             w = v._writer
             if (w is not None and not w.done) or v.exc is not None:
                 return False
+        claim = None
         if state_vars:
-            for v in state_vars:
-                w = v._writer
-                if (w is not None and not w.done) or v.exc is not None:
-                    return False
-                for r in v._readers:          # written here: pending readers go first
-                    if not r.done:
+            # state written here (a program's buffers) is shared with other threads that may
+            # run the same program: check it is idle AND claim it, atomically, as a push would
+            with self._lock:
+                for v in state_vars:
+                    w = v._writer
+                    if (w is not None and not w.done) or v.exc is not None:
                         return False
+                    for r in v._readers:      # written here: pending readers go first
+                        if not r.done:
+                            return False
+                claim = _Op(None, [], list(state_vars), None, 0, name, None)
+                claim.seq = next(self._seq)
+                for v in state_vars:
+                    v._writer = claim
+                    v._readers = []
+                self._pending += 1
         runs = cell[1]
         cell[1] = runs + 1
-        err = self._run_now(kernel, arrays, outs, attrs, name, None if runs & 7 else cell)
+        try:
+            err = self._run_now(kernel, arrays, outs, attrs, name, None if runs & 7 else cell)
+        finally:
+            if claim is not None:
+                with self._lock:
+                    self._finish(claim)
         if err is not None:
             with self._err_lock:
                 if len(self._errors) < _MAX_PENDING_ERRORS:

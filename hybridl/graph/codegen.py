@@ -79,7 +79,11 @@ def generate(graph, name="program"):
             b = plan.assign[(n.id, 0)]
             shape, dt = n.specs[0]
             bn = f"b{n.id}"
-            g[bn] = raw[b][: max(int(np.prod(shape)), 1) * dt.itemsize].view(dt)[: int(np.prod(shape))].reshape(shape)
+            cnt = int(np.prod(shape))
+            if cnt == 0:                    # nothing to hold: no view of the buffer needed
+                g[bn] = np.empty(shape, dt)
+            else:
+                g[bn] = raw[b][: cnt * dt.itemsize].view(dt).reshape(shape)
             call_args.append(f"out={bn}")
             comment += f"  -> buffer {b}" + (" (in place)" if (n.id, 0) in plan.inplace else "")
         outs = [f"v{n.id}_{i}" if len(n.specs) > 1 else f"v{n.id}" for i in range(len(n.specs))]

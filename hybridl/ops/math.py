@@ -747,7 +747,8 @@ def _fc_infer(x, w, *b, flatten=True, act=None):
 
 
 def _fc_kernel(x, w, b=None, flatten=True, act=None, out=None):
-    x2 = x.reshape(x.shape[0], -1) if flatten else x.reshape(-1, x.shape[-1])
+    k = w.shape[1]                          # explicit: -1 is ambiguous for an empty batch
+    x2 = x.reshape(x.shape[0], k) if flatten else x.reshape(-1, k)
     _blas.for_gemm(x2.shape[0], w.shape[0], x2.shape[1])
     y = np.matmul(x2, w.T, out=None if out is None else out.reshape(x2.shape[0], w.shape[0]))
     if b is not None:
@@ -904,7 +905,7 @@ def squeeze(x, axis=None):
 
 def flatten(x):
     """Collapse all but the first axis: (N, ...) -> (N, prod(...))."""
-    return reshape(x, (x.shape[0], -1) if len(x.shape) else (1,))
+    return reshape(x, (x.shape[0], numel(x.shape[1:])) if len(x.shape) else (1,))
 
 
 def _bt_infer(x, shape):
