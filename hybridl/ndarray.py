@@ -472,7 +472,10 @@ _OPERATORS = {
 }
 for _n, (_expr, _f) in _OPERATORS.items():
     getattr(NDArray, _n).__doc__ = f"``{_expr}``: see ``hl.nd.{_f.__name__}``."
-NDArray.__getitem__.__doc__ = ("``x[key]``: basic indexing (ints, slices, None, Ellipsis) is a view; an "
+NDArray.__getitem__.__doc__ = ("``x[key]``: basic indexing (ints, slices, None, Ellipsis) returns a new "
+                               "array that shares memory with ``x`` without copying; arrays are never "
+                               "written in place, so writing to the result (``y[:] = 5``) changes "
+                               "``y`` only, never ``x`` (as in JAX, unlike NumPy views); an "
                                "integer list / array gathers rows like NumPy (out-of-range raises at "
                                "the next sync point); boolean masks are not supported (use "
                                "``hl.nd.where``).")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import hybridl as hl
-from hybridl import nd
+from hybridl import autograd, nd
 
 H = 1e-6
 
@@ -623,3 +623,32 @@ def test_conv2d_fused_relu_equals_relu_of_conv_eager_and_hybridized():
     net.hybridize()
     np.testing.assert_array_equal(net(nd.array(x)).asnumpy(), eager)
     np.testing.assert_array_equal(eager, plain)
+
+
+def test_second_order_through_gradient_ops_is_right_or_a_clear_error():
+    """create_graph=True then backward: relu_grad and take_grad (linear in g) have rules; the
+    other gradient ops raise NotImplementedError instead of silently dropping their paths."""
+    x = nd.array(np.array([-1.0, 0.5, 2.0]))
+    x.attach_grad()
+    with autograd.record():
+        g = autograd.grad((nd.relu(x) ** 2 + x ** 3).sum(), x, create_graph=True)
+        h = g.sum()
+    h.backward()
+    # d/dx [2 relu(x) + 3x^2] = 2 [x > 0] + 6x
+    np.testing.assert_allclose(x.grad.asnumpy(), [-6.0, 5.0, 14.0])
+    a = nd.array(np.array([1.0, 2.0, 3.0]))
+    a.attach_grad()
+    with autograd.record():
+        g = autograd.grad((nd.take(a, nd.array(np.array([0, 2, 2]))) ** 2).sum(), a,
+                          create_graph=True)
+        h = (g * g).sum()
+    h.backward()
+    np.testing.assert_allclose(a.grad.asnumpy(), [8.0, 0.0, 96.0])     # d/da (4a0^2 + 16a2^2)
+    xc = nd.array(np.random.default_rng(0).random((1, 1, 4, 4)))
+    w = nd.array(np.random.default_rng(1).random((2, 1, 3, 3)))
+    w.attach_grad()
+    with pytest.raises(NotImplementedError, match="conv2d_grad_weight"):
+        with autograd.record():
+            gw = autograd.grad((nd.conv2d(xc, w) ** 2).sum(), w, create_graph=True)
+            hw = gw.sum()
+        hw.backward()

@@ -132,7 +132,8 @@ def num_workers():
 @contextlib.contextmanager
 def blas_threads(n):
     """Context: run with ``n`` BLAS threads per GEMM — threadpoolctl's process-wide limit and
-    the per-GEMM budget of :mod:`hybridl.ops._blas` — restoring both afterwards.
+    the budget of :mod:`hybridl.ops._blas`, held even when workers start inside the block — and
+    afterwards the engine's budget as it is then (cores // compute workers).
 
     Raises:
         ValueError: ``n`` is not an integer >= 1.
@@ -142,13 +143,14 @@ def blas_threads(n):
     from threadpoolctl import threadpool_limits
 
     from ..ops import _blas
-    old = _blas.budget()
     with threadpool_limits(limits=n, user_api="blas"):
-        _blas.set_budget(n)
+        prev = _blas.pin(n)            # held even if workers start inside the block
         try:
             yield
         finally:
-            _blas.set_budget(old)
+            _blas.pin(prev)
+            if prev is None:           # back to the engine's budget as it is now
+                _blas.set_budget(_current.blas_budget())
 
 
 def start_workers(devices):

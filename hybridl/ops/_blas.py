@@ -18,7 +18,7 @@ counts. OpenBLAS itself keeps small products on one thread.
 """
 import os
 
-__all__ = ["for_gemm", "set_budget", "budget", "cores"]
+__all__ = ["for_gemm", "set_budget", "budget", "cores", "pin"]
 
 
 def cores():
@@ -36,7 +36,7 @@ def cores():
     return max(1, n)
 
 
-_state = {"ctl": None, "cur": None, "max": cores(), "ok": None}
+_state = {"ctl": None, "cur": None, "max": cores(), "ok": None, "pin": None}
 
 
 def _controller():
@@ -64,9 +64,23 @@ def for_gemm(m, n, k):
 
 
 def set_budget(n):
-    """BLAS threads for every GEMM from now on (the engine sets cores // compute workers)."""
+    """BLAS threads for every GEMM from now on (the engine sets cores // compute workers);
+    ignored while :func:`pin` holds a count."""
+    if _state["pin"] is not None:
+        return
     _state["max"] = max(1, int(n))
     _state["cur"] = None
+
+
+def pin(n):
+    """Hold the budget at ``n`` (None: release) whatever workers start meanwhile; returns the
+    previous pin (used by :func:`hybridl.engine.blas_threads`)."""
+    prev = _state["pin"]
+    _state["pin"] = None if n is None else max(1, int(n))
+    if n is not None:
+        _state["max"] = _state["pin"]
+        _state["cur"] = None
+    return prev
 
 
 def budget():

@@ -304,6 +304,7 @@ def _relu_grad_kernel(g, y, out=None):
 
 
 RELU_GRAD = register("relu_grad", _relu_grad_kernel, lambda g, y: [(g.shape, g.dtype)],
+                     lambda c, gg: (relu_grad(gg, c.inputs[1]), None),   # linear in g; 0 in y
                      ew="where({1} > 0, {0}, 0)")
 
 
@@ -1024,7 +1025,8 @@ SLICE_GRAD = register("slice_grad", _slice_grad_kernel,
 
 
 def slice_(x, key):
-    """Basic indexing ``x[key]`` (ints, slices, None, Ellipsis); returns a copy-free view."""
+    """Basic indexing ``x[key]`` (ints, slices, None, Ellipsis) without a copy; writes to the
+    result never reach ``x`` (arrays are not written in place)."""
     return apply(SLICE, x, key=key if isinstance(key, tuple) and key and isinstance(key[0], tuple)
                  else encode_key(key))
 
@@ -1077,7 +1079,10 @@ def _take_grad_kernel(g, idx, shape, axis, mode="clip"):
 
 
 TAKE_GRAD = register("take_grad", _take_grad_kernel,
-                     lambda g, idx, shape, axis, mode="clip": [(shape, g.dtype)])
+                     lambda g, idx, shape, axis, mode="clip": [(shape, g.dtype)],
+                     # linear in g: the adjoint of the scatter-add is the gather
+                     lambda c, gg: (take(gg, c.inputs[1], axis=c.attrs["axis"],
+                                         mode=c.attrs.get("mode", "clip")), None))
 
 
 def take(a, indices, axis=0, mode="clip"):

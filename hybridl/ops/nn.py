@@ -401,6 +401,32 @@ def embedding(indices, weight):
     return take(weight, indices, axis=0, mode="clip")
 
 
+# ============================================================================ second order
+# Gradient ops are themselves differentiated when autograd.grad(..., create_graph=True) is
+# followed by another backward. Linear ones get their adjoint; the others raise a clear error at
+# that backward (before, they had no rule and their paths were silently dropped: wrong values).
+
+
+def _second_order_missing(name):
+    def rule(c, *gs):
+        raise NotImplementedError(
+            f"second-order gradient through {name!r} is not implemented: a backward through "
+            f"gradients computed with create_graph=True reached it (first-order gradients of "
+            f"this op are fine)")
+    return rule
+
+
+def _g_avgpool_grad(c, gg):                   # linear in g: the adjoint is the pooling itself
+    a = {k: v for k, v in c.attrs.items() if k != "x_shape"}
+    return (apply(AVGPOOL, gg, **a),)
+
+
+for _op in (SCE_GRAD, CONV_GX, CONV_GW, MAXPOOL_GRAD, BN_GRAD, LN_GRAD):
+    _op.grad = _second_order_missing(_op.name)
+    _op.differentiable = True
+AVGPOOL_GRAD.grad = _g_avgpool_grad
+AVGPOOL_GRAD.differentiable = True
+
 __all__ = ["softmax", "log_softmax", "softmax_cross_entropy", "conv2d", "max_pool2d",
            "avg_pool2d", "global_avg_pool2d", "batch_norm", "layer_norm", "dropout", "embedding",
            "take_grad"]
