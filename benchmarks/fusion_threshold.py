@@ -14,7 +14,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from hybridl.graph import passes  # noqa: E402
 
 
-def main():
+def main(argv=None):
+    import argparse
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     thr, rows = passes.measure_fusion_threshold()
     print("chain relu(tanh(a * b + a)), float32; medians")
     print(f"{'elements':>10} {'numpy us':>10} {'fused us':>10} {'numpy/fused':>12}")

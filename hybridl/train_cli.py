@@ -291,8 +291,10 @@ def _train(args):
     if rank0:
         print(f"hybridl train: {args.model} on {args.dataset} ({len(train_set)} train / "
               f"{len(test_set)} test images), {args.epochs} epoch(s), batch {args.batch_size}, "
-              f"{args.optimizer} lr {args.lr} ({args.lr_schedule}), device {devices[0]}, "
-              f"{'hybridized' if not args.no_hybridize else 'imperative'}", flush=True)
+              f"{args.optimizer} lr {args.lr} ({args.lr_schedule}), device {devices[0]}"
+              + (f" on each of {dist.size()} processes" if dist is not None and dist.size() > 1
+                 else "")
+              + f", {'hybridized' if not args.no_hybridize else 'imperative'}", flush=True)
     t0 = time.perf_counter()
     hist = fit(net, trainer, train_loader, test_loader, args.epochs,
                progress=not args.quiet and sys.stderr.isatty(), rank0=rank0,

@@ -95,7 +95,8 @@ def main(argv=None):
     if not mpiexec or not os.path.exists(mpiexec):
         print("hybridl launch: error: mpiexec not found (looked at --mpiexec, $HYBRIDL_MPIEXEC, "
               f"{os.path.dirname(sys.executable)}, the mpich wheel and PATH). Install it with "
-              "`pip install 'hybridl[mpi]'` (mpi4py + the mpich wheel, which provides mpiexec), "
+              "`pip install 'hybridl[mpi]'` (from a source checkout: `pip install -e \".[mpi]\"`; "
+              "mpi4py + the mpich wheel, which provides mpiexec), "
               "or on a cluster load the site's MPI module and `pip install mpi4py`.",
               file=sys.stderr)
         return 127

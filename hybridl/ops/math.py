@@ -1090,7 +1090,8 @@ def take(a, indices, axis=0, mode="clip"):
     a.shape[:axis] + indices.shape + a.shape[axis+1:].
 
     mode: 'clip' (indices clipped to the valid range), 'wrap', or 'raise' (error at the next
-    sync point for out-of-range indices).
+    sync point for indices outside ``[-n, n)``, n the axis size; negative ones count from the
+    end, as in NumPy's ``take(mode='raise')`` and Python indexing).
     """
     if mode not in ("clip", "wrap", "raise"):
         raise ValueError(f"take: mode must be 'clip', 'wrap' or 'raise', got {mode!r}")
