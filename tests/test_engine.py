@@ -752,3 +752,24 @@ def test_priority_does_not_break_dependencies(eng):
     gate.set()
     eng.waitall()
     assert state["v"] == ["first", "second"]
+
+
+def test_malloc_tuning_applied_once_and_can_be_turned_off():
+    import subprocess
+    import sys
+    code = ("import hybridl, hybridl.engine._malloc as m; "
+            "print(sorted(m.applied()), m.apply() == m.applied())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").gnu_get_libc_version
+        glibc = True
+    except (OSError, AttributeError):
+        glibc = False
+    if glibc:
+        assert "MALLOC_MMAP_THRESHOLD_" in out.stdout and "True" in out.stdout
+    env = dict(os.environ, HYBRIDL_MALLOC_TUNING="0")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert out.returncode == 0 and out.stdout.startswith("[]"), (out.stdout, out.stderr)

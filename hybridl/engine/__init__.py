@@ -15,6 +15,7 @@ import contextlib
 import os
 import threading
 
+from . import _malloc
 from .base import Engine, OpError, Var
 from .naive import NaiveEngine
 from .threaded import ThreadedEngine
@@ -43,6 +44,7 @@ def _make(kind):
     return eng
 
 
+_malloc.apply()            # keep freed array memory for reuse (see engine/_malloc.py)
 _current = _make(os.environ.get("HYBRIDL_ENGINE", "threaded").strip().lower() or "threaded")
 
 
