@@ -584,14 +584,19 @@ def _eager(op, inputs, attrs):
     kernel = op.kernel
     eng = _engine.get_engine()
     ckey = (op, arrs[0].shape, outs[0].shape)
-    if not op.random and eng.run_ready(kernel, arrs, outs, attrs, dev, ckey, op.name,
-                                       op.state_vars):
-        if _ag._state.recording and op.differentiable:
-            for a in arrs:
-                if a._ag is not None or a._grad_req != "null":
-                    _ag.record_op(op, tuple(arrs), outs, attrs)
-                    break
-        return outs[0] if len(outs) == 1 else tuple(outs)
+    if op.random or not eng.run_ready(kernel, arrs, outs, attrs, dev, ckey, op.name,
+                                      op.state_vars):
+        _push_eager(eng, op, kernel, arrs, outs, specs, attrs, dev, ckey)
+    if _ag._state.recording and op.differentiable:
+        for a in arrs:
+            if a._ag is not None or a._grad_req != "null":
+                _ag.record_op(op, tuple(arrs), outs, attrs)
+                break
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _push_eager(eng, op, kernel, arrs, outs, specs, attrs, dev, ckey):
+    """Push ``outs = op(*arrs)`` as an engine op (when it could not run at once)."""
     meta = None
     if eng.profiler is not None:
         meta = _op_meta(op, arrs, specs, attrs)
@@ -621,12 +626,6 @@ def _eager(op, inputs, attrs):
                 o._data = r
     # pure kernel: the threaded engine may run it inline when tiny; cost key (op, shapes)
     eng.push_trusted(run, reads, writes, dev, 0, op.name, meta, ckey)
-    if _ag._state.recording and op.differentiable:
-        for a in arrs:
-            if a._ag is not None or a._grad_req != "null":
-                _ag.record_op(op, tuple(arrs), outs, attrs)
-                break
-    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def _op_meta(op, arrs, specs, attrs):

@@ -139,7 +139,7 @@ def cosine_lr(base_lr, total_steps):
     Raises:
         ValueError: ``total_steps`` < 1 or ``base_lr`` < 0.
     """
-    if not total_steps >= 1:
+    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
         raise ValueError(f"total_steps: expected an integer >= 1, got {total_steps!r}")
     if not base_lr >= 0:
         raise ValueError(f"base_lr: expected a number >= 0, got {base_lr!r}")

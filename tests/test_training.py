@@ -190,9 +190,12 @@ def test_cosine_schedule_values_and_use_in_fit():
     want = [0.1 * (1 + math.cos(math.pi * t / 8)) / 2 for t in range(8)]
     np.testing.assert_allclose([f(t) for t in range(8)], want, rtol=1e-12)
     assert f(0) == 0.1 and f(4) == pytest.approx(0.05) and f(8) == pytest.approx(0.0, abs=1e-15)
-    for bad in (0, -3):
+    for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="total_steps"):
             cosine_lr(0.1, bad)
+    for bad in (-0.1, float("nan")):
+        with pytest.raises(ValueError, match="base_lr"):
+            cosine_lr(bad, 8)
     # fit sets the rate before every step: the trainer ends on the last step's rate
     hl.random.seed(0)
     train = data.DataLoader(data.Digits(train=True), 512, last_batch="discard")

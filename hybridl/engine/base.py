@@ -49,7 +49,23 @@ class Var:
         return f"Var({self.name or hex(id(self))})"
 
 
+def _learn(cell, dt):
+    """Fold one run time ``dt`` (s) into a cost cell ``[average, runs]``: a moving average
+    (weight 1/4), each sample capped at 4x the average so that an outlier (preemption, a page
+    fault burst) does not make a tiny op look big."""
+    old = cell[0]
+    cell[0] = dt if old is None else old + 0.25 * (min(dt, 4.0 * old) - old)
+
+
 _MAX_PENDING_ERRORS = 64     # errors kept for waitall(); each is also on the Vars it wrote
+
+
+def _op_error(name, e):
+    """The OpError for exception ``e`` of op ``name``: the traceback text is kept, the frames
+    (and the arrays they hold) are freed."""
+    err = OpError(name, e, "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+    e.__traceback__ = None
+    return err
 
 
 class OpError(RuntimeError):
@@ -162,6 +178,12 @@ class Engine:
             return self.push(fn, reads, writes, device, priority, name, meta, pure)
         self._push_op(_Op(fn, reads, writes, device, priority, name, meta, pure))
 
+    def _keep_error(self, err):
+        """Remember ``err`` for the next waitall() (at most _MAX_PENDING_ERRORS of them)."""
+        with self._err_lock:
+            if len(self._errors) < _MAX_PENDING_ERRORS:
+                self._errors.append(err)
+
     def run_ready(self, kernel, arrays, outs, attrs, device, cost_key, name, state_vars=None):
         """Fast path of the eager interpreter: run a pure kernel now, in the calling thread,
         without making an op, when that gives the same result as pushing it — every input's
@@ -188,15 +210,12 @@ class Engine:
                 for o, r in zip(outs, res):
                     o._data = r
         except BaseException as e:  # noqa: BLE001 - stored on the outputs as a pushed op's
-            err = OpError(name, e, "".join(traceback.format_exception(type(e), e, e.__traceback__)))
-            e.__traceback__ = None
+            err = _op_error(name, e)
             for o in outs:
                 o._var.exc = err
             return err
         if cell is not None:
-            dt = _cpu() - c0
-            old = cell[0]
-            cell[0] = dt if old is None else old + 0.25 * ((dt if dt < 4.0 * old else 4.0 * old) - old)
+            _learn(cell, _cpu() - c0)
         return None
 
     def wait_for(self, var):
@@ -299,9 +318,7 @@ class Engine:
             c0 = _cpu() if cell is not None else 0.0
             err = op.fn()
             if cell is not None:              # every run timed: a group is worth the ~1 us
-                dt = _cpu() - c0
-                old = cell[0]
-                cell[0] = dt if old is None else old + 0.25 * ((dt if dt < 4.0 * old else 4.0 * old) - old)
+                _learn(cell, _cpu() - c0)
                 cell[1] += 1
             if prof is not None:
                 prof.record(op.name, op.key, threading.current_thread().name, t0, _now(), None)
@@ -325,24 +342,16 @@ class Engine:
             op.fn()
         except BaseException as e:  # noqa: BLE001 - a user error must never kill a worker
             t1 = _now()
-            err = OpError(op.name, e, "".join(traceback.format_exception(type(e), e, e.__traceback__)))
-            e.__traceback__ = None          # the text is kept; the frames (and arrays) are freed
+            err = _op_error(op.name, e)
             for w in op.writes:
                 if not w.keep_clean:
                     w.exc = err
-            with self._err_lock:
-                if len(self._errors) < _MAX_PENDING_ERRORS:
-                    self._errors.append(err)
+            self._keep_error(err)
             if prof is not None:
                 prof.record(op.name, op.key, threading.current_thread().name, t0, t1, meta)
             return err
         if cell is not None:
-            dt = _cpu() - c0
-            old = cell[0]
-            if old is None:
-                cell[0] = dt
-            else:   # moving average; a sample is capped at 4x the average (outliers)
-                cell[0] = old + 0.25 * ((dt if dt < 4.0 * old else 4.0 * old) - old)
+            _learn(cell, _cpu() - c0)
         for w in op.writes:
             w.exc = None
         if prof is not None:

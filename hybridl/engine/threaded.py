@@ -12,7 +12,7 @@ import itertools
 import os
 import threading
 
-from .base import _MAX_PENDING_ERRORS, Engine, _Op
+from .base import Engine, _Op
 
 __all__ = ["ThreadedEngine"]
 
@@ -182,9 +182,7 @@ class ThreadedEngine(Engine):
                 with self._lock:
                     self._finish(claim)
         if err is not None:
-            with self._err_lock:
-                if len(self._errors) < _MAX_PENDING_ERRORS:
-                    self._errors.append(err)
+            self._keep_error(err)
         return True
 
     def blas_budget(self):

@@ -52,9 +52,9 @@ def _controller():
     return _state["ctl"]
 
 
-def for_gemm(m, n, k):
-    """Make the BLAS pool size equal to the budget before an (m x k) @ (k x n) product (the
-    shape is accepted for the cost model's sake; the count does not depend on it, see above)."""
+def for_gemm():
+    """Make the BLAS pool size equal to the budget before a GEMM (the count does not depend on
+    the product's shape, see above)."""
     want = _state["max"]
     if want != _state["cur"]:
         ctl = _controller()

@@ -700,7 +700,7 @@ def _g_matmul(c, g):
 
 
 def _mm_kernel(a, b, out=None):
-    _blas.for_gemm(a.size // builtins.max(a.shape[-1], 1), b.shape[-1] if b.ndim > 1 else 1, a.shape[-1])
+    _blas.for_gemm()
     if a.dtype != b.dtype:
         return np.matmul(a, b, dtype=promote(a.dtype, b.dtype), out=out)
     return np.matmul(a, b, out=out)
@@ -750,7 +750,7 @@ def _fc_infer(x, w, *b, flatten=True, act=None):
 def _fc_kernel(x, w, b=None, flatten=True, act=None, out=None):
     k = w.shape[1]                          # explicit: -1 is ambiguous for an empty batch
     x2 = x.reshape(x.shape[0], k) if flatten else x.reshape(-1, k)
-    _blas.for_gemm(x2.shape[0], w.shape[0], x2.shape[1])
+    _blas.for_gemm()
     y = np.matmul(x2, w.T, out=None if out is None else out.reshape(x2.shape[0], w.shape[0]))
     if b is not None:
         y += b

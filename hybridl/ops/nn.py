@@ -110,18 +110,8 @@ def _conv_infer(x, w, *b, stride, padding, dilation, groups, act=None):
     return [(tuple(out), x.dtype)]
 
 
-def _conv_gemm(x_shape, w_shape, stride, padding, dilation):
-    """(rows, cols, K, O) of the im2col GEMMs: rows = N*OH*OW, cols = C/g*KH*KW."""
-    N, _, H, W = x_shape
-    O, Cg, KH, KW = w_shape
-    oh = (H + 2 * padding[0] - dilation[0] * (KH - 1) - 1) // stride[0] + 1
-    ow = (W + 2 * padding[1] - dilation[1] * (KW - 1) - 1) // stride[1] + 1
-    return N * oh * ow, Cg * KH * KW, O
-
-
 def _conv_kernel(x, w, b=None, *, stride, padding, dilation, groups, act=None, out=None):
-    rows, cols, o = _conv_gemm(x.shape, w.shape, stride, padding, dilation)
-    _blas.for_gemm(rows, o, cols)
+    _blas.for_gemm()
     y = K.conv2d(x, w, b, stride, padding, dilation, groups, out=out)
     if act is not None:                  # fused ReLU: in place, one op and one array less
         np.maximum(y, 0, out=y)
@@ -129,14 +119,12 @@ def _conv_kernel(x, w, b=None, *, stride, padding, dilation, groups, act=None, o
 
 
 def _conv_gx_kernel(g, w, x_shape, stride, padding, dilation, groups, out=None):
-    rows, cols, o = _conv_gemm(x_shape, w.shape, stride, padding, dilation)
-    _blas.for_gemm(rows, cols, o)
+    _blas.for_gemm()
     return K.conv2d_grad_input(g, w, x_shape, stride, padding, dilation, groups, out=out)
 
 
 def _conv_gw_kernel(g, x, w_shape, stride, padding, dilation, groups, out=None):
-    rows, cols, o = _conv_gemm(x.shape, w_shape, stride, padding, dilation)
-    _blas.for_gemm(o, cols, rows)
+    _blas.for_gemm()
     return K.conv2d_grad_weight(g, x, w_shape, stride, padding, dilation, groups, out=out)
 
 
