@@ -97,6 +97,7 @@ CONV_CASES = [
     (2, 4, 8, 7, 6, 3, 3, (2, 1), (1, 2), (2, 1), 2),
     (1, 1, 10, 10, 3, 5, 5, (1, 1), (2, 2), (1, 1), 1),
     (2, 4, 5, 5, 4, 1, 1, (1, 1), (0, 0), (1, 1), 4),
+    (3, 5, 4, 6, 7, 1, 1, (1, 1), (0, 0), (1, 1), 1),   # 1x1: the batched-GEMM path
     (1, 2, 4, 13, 2, 2, 5, (3, 2), (0, 2), (1, 1), 1),
 ]
 
@@ -214,6 +215,34 @@ def test_max_pool_forward_and_grad(shape, k, s, p):
     dy = RNG.standard_normal(y.shape)
     dx = K.max_pool2d_grad(dy, x, y, k, s, p)
     close(dx, numgrad(lambda t: K.max_pool2d(t, k, s, p), x.copy(), dy, eps=1e-7), 1e-6)
+
+
+def test_max_pool_separable_blocks_match_definition(monkeypatch):
+    # the separable pass over blocks of planes (tiny blocks here, so several and a partial
+    # last one) equals the kh*kw-offset definition bit for bit, NaN included, for
+    # non-contiguous inputs and outputs
+    from hybridl.kernels import pool as P
+    monkeypatch.setattr(P, "_POOL_BLOCK_BYTES", 700)
+    rng = np.random.default_rng(5)
+    for _ in range(60):
+        kh, kw = (int(v) for v in rng.integers(1, 5, 2))
+        sh, sw = (int(v) for v in rng.integers(1, 4, 2))
+        ph, pw = int(rng.integers(0, kh // 2 + 1)), int(rng.integers(0, kw // 2 + 1))
+        H, W = int(rng.integers(max(1, kh - 2 * ph), 11)), int(rng.integers(max(1, kw - 2 * pw), 11))
+        x = rng.standard_normal((int(rng.integers(1, 4)), int(rng.integers(1, 5)), W, H)).transpose(0, 1, 3, 2)
+        x[0, 0, 0, 0] = np.nan if rng.random() < 0.3 else x[0, 0, 0, 0]
+        y = K.max_pool2d(x, (kh, kw), (sh, sw), (ph, pw))
+        # the definition with NumPy's NaN rule (np.maximum propagates NaN)
+        xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=-np.inf)
+        OH, OW = (H + 2 * ph - kh) // sh + 1, (W + 2 * pw - kw) // sw + 1
+        ref = np.full(x.shape[:2] + (OH, OW), -np.inf)
+        for i in range(kh):
+            for j in range(kw):
+                ref = np.maximum(ref, xp[:, :, i:i + sh * (OH - 1) + 1:sh, j:j + sw * (OW - 1) + 1:sw])
+        np.testing.assert_array_equal(y, ref)
+        out = np.empty(y.shape[:2] + y.shape[:1:-1]).transpose(0, 1, 3, 2)
+        assert K.max_pool2d(x, (kh, kw), (sh, sw), (ph, pw), out=out) is out
+        np.testing.assert_array_equal(out, y)
 
 
 def test_max_pool_grad_ties_go_to_first_max():

@@ -391,6 +391,8 @@ def conv2d(x, w, b=None, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=
             raise ValueError(f"b: expected shape ({O},) (one bias per output channel), got {b.shape}")
     check_out(out, (N, O, OH, OW), x.dtype)
     stride, padding, dilation = pair("stride", stride), pair("padding", padding), pair("dilation", dilation)
+    if w.shape[2:] == (1, 1) and stride == (1, 1) and padding == (0, 0) and groups == 1:
+        return _conv1x1(x, w, b, out)
     geo = _Geometry(x.shape, w.shape, stride, padding, dilation, groups, OH, OW)
     G, R, L, Kp = geo.G, geo.R, geo.L, geo.Kp
     CK = G * Kp
@@ -417,6 +419,24 @@ def conv2d(x, w, b=None, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=
             else:
                 np.add(src, bias.reshape((O,) + (1,) * (src.ndim - 1)), out=dst)
     if y is not out and out is not None:
+        np.copyto(out, y)
+        return out
+    return y
+
+
+def _conv1x1(x, w, b, out):
+    """1x1 convolution, stride 1, no padding, one group: per sample ``y[n] = w @ x[n]`` on the
+    ``(C, H*W)`` view of x, a batched GEMM on the arrays as they are (no column copy, no
+    output transpose)."""
+    N, C, H, W = x.shape
+    O = w.shape[0]
+    shared = out is not None and any(np.may_share_memory(out, a) for a in (x, w) + ((b,) if b is not None else ()))
+    y = out if out is not None and not shared and out.flags.c_contiguous else np.empty((N, O, H, W), dtype=x.dtype)
+    y3 = y.reshape(N, O, H * W)
+    np.matmul(w.reshape(O, C), x.reshape(N, C, H * W), out=y3)
+    if b is not None:
+        y3 += b.astype(x.dtype, copy=False).reshape(O, 1)
+    if out is not None and y is not out:
         np.copyto(out, y)
         return out
     return y
