@@ -185,6 +185,11 @@ class ThreadedEngine(Engine):
             self._keep_error(err)
         return True
 
+    def learned_seconds(self, cost_key):
+        """See :meth:`Engine.learned_seconds`."""
+        cell = self._cost.get(cost_key)
+        return None if cell is None else cell[0]
+
     def blas_budget(self):
         """cores() // compute workers started so far (copy queues not counted: they move memory),
         so that workers x BLAS threads <= cores when they all compute."""
@@ -283,8 +288,10 @@ class ThreadedEngine(Engine):
                     if head.pure:
                         cell = head.cell
                         tiny = cell is not None and cell[0] is not None and cell[0] < self.inline_s
-                        if tiny or not q.busy:    # a busy worker takes a big op next anyway;
-                            job = heapq.heappop(q.heap)   # running it here would oversubscribe
+                        # a big op only when the workers could not all be busy without it:
+                        # this thread computing beside every worker would oversubscribe
+                        if tiny or q.busy + len(q.heap) <= self.num_workers:
+                            job = heapq.heappop(q.heap)
                             q.busy += 1
                     elif (not q.busy and head.meta is not None
                           and head.meta.get("waiter_may_run")):
