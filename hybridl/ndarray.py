@@ -625,7 +625,7 @@ def _push_eager(eng, op, kernel, arrs, outs, specs, attrs, dev, ckey):
             for o, r in zip(outs, res):
                 o._data = r
     # pure kernel: the threaded engine may run it inline when tiny; cost key (op, shapes)
-    eng.push_trusted(run, reads, writes, dev, 0, op.name, meta, ckey)
+    eng.push_trusted(run, reads, writes, dev, op.priority, op.name, meta, ckey)
 
 
 def _op_meta(op, arrs, specs, attrs):

@@ -74,3 +74,34 @@ def test_training_falls_back_to_one_program():
         y = net(x).sum()
     y.backward()
     assert net._last_program.fwd.op is not None          # one program, with a gradient rule
+
+
+def test_rank_priorities_are_longest_remaining_paths():
+    from types import SimpleNamespace as NS
+
+    from hybridl.graph.segments import _rank_priorities
+    # a -> (b, c) -> d : a reads input "x"; b and c read a's output; d reads both
+    est = {"a": 1e-3, "b": 5e-3, "c": 2e-3, "d": 1e-3}
+    reads = {"a": ["x"], "b": ["a"], "c": ["a"], "d": ["b", "c"]}
+    segs = [(NS(est_seconds=est[k], op=NS(priority=0)), reads[k], [k]) for k in "abcd"]
+    _rank_priorities(segs)
+    prio = {k: s[0].op.priority for k, s in zip("abcd", segs)}
+    assert prio == {"d": 1000, "b": 6000, "c": 3000, "a": 7000}
+
+
+def test_priorities_follow_measured_segment_times(two_workers):
+    net, x = _net_and_input()
+    net.hybridize(parallel_segments=True)
+    with hl.autograd.predict_mode():
+        net(x).wait_to_read()
+        prog = net._last_program.fwd
+        assert not prog._measured
+        for _ in range(3):
+            net(x).wait_to_read()
+    assert prog._measured
+    segs = prog.segments
+    times = [p.est_seconds for p, _, _ in segs]
+    assert all(t is not None and t > 0 for t in times)
+    # the stem is on every path: its priority is the largest, >= every other's plus its time
+    prios = [p.op.priority for p, _, _ in segs]
+    assert prios[0] == max(prios) and prios[0] >= int(1e6 * times[0]) + max(prios[1:]) - 1

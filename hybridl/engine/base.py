@@ -254,6 +254,12 @@ class Engine:
         """
         return _Bulk(self, size)
 
+    def learned_seconds(self, cost_key):
+        """The moving average run time (seconds, the running thread's CPU time) this engine
+        has measured for ops of ``cost_key`` (an eager op's key is ``(op, first input shape,
+        first output shape)``), or None when it has not run yet or the engine does not learn."""
+        return None
+
     def blas_budget(self):
         """BLAS threads per GEMM under this engine: every core it may use (ops run one at a
         time; see :func:`hybridl.ops._blas.cores`)."""

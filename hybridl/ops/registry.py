@@ -21,7 +21,7 @@ OPS = {}
 
 class Op:
     __slots__ = ("name", "kernel", "infer", "grad", "cost", "n_out", "ew", "differentiable",
-                 "random", "state_vars", "out_ok", "__weakref__")
+                 "random", "state_vars", "out_ok", "priority", "__weakref__")
 
     def __init__(self, name, kernel, infer, grad=None, cost=None, n_out=1, ew=None,
                  differentiable=True, random=False):
@@ -35,6 +35,7 @@ class Op:
         self.differentiable = differentiable and grad is not None
         self.random = random     # reads and writes the engine RNG Var
         self.state_vars = None   # extra engine Vars the kernel reads and writes (e.g. buffers)
+        self.priority = 0        # engine priority of its ops (a program segment's critical path)
         try:
             import inspect
             self.out_ok = "out" in inspect.signature(kernel).parameters
