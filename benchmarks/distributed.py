@@ -18,8 +18,9 @@ itself under ``mpiexec -n 1`` and ``-n 2`` (worker mode) and prints the figures.
    library alone) and for ``hl.distributed.allreduce`` (an engine op on the communication queue,
    waited for: adds the push, the worker hand-over and the copies into a fresh buffer).
 
-Every measurement is repeated (``--trials``, median reported); on a shared, noisy machine the
-spread is printed too. Figures are of one small machine where ranks share memory: the
+Every measurement is repeated (``--trials``, median reported; weak scaling in ``--rounds``
+back-to-back pairs of 1-rank and 2-rank runs, efficiency = median of the pairs' ratios); on a
+shared, noisy machine the spread is printed too. Figures are of one small machine where ranks share memory: the
 "network" is shared-memory copies, so bandwidth is memcpy-bound, not link-bound.
 """
 import argparse
@@ -175,6 +176,7 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3, help="(1 rank, 2 ranks) pairs (default 3)")
     p.add_argument("--sizes", type=int, nargs="*", default=None)
     p.add_argument("--out", default=None)
     p.add_argument("--bind", default="core", choices=("core", "none"),
@@ -204,23 +206,29 @@ def main():
     trials = 3 if args.quick else args.trials
     report = {"training": [], "allreduce": None}
 
+    rounds = 2 if args.quick else args.rounds
     print(f"\n1. Weak scaling: {PER_RANK_BATCH} samples per rank per step, {steps} steps x "
-          f"{trials} trials (median; min-max in brackets)")
-    print(f"{'model':<7}{'ranks':>6}{'samples/s':>12}{'range':>20}{'efficiency':>12}")
+          f"{trials} trials per process, {rounds} rounds of (1 rank, 2 ranks) back to back; "
+          f"samples/s: median over rounds [min-max]; efficiency: median of the rounds' "
+          f"paired ratios (the VM's speed drifts; a pair measured together cancels most of it)")
+    print(f"{'model':<7}{'ranks':>6}{'samples/s':>12}{'range':>20}{'efficiency':>12}  per round")
     for model in ("mlp", "lenet"):
-        base = None
+        meds = {1: [], 2: []}
+        for _ in range(rounds):
+            for n in (1, 2):
+                d = _run(mpiexec, n, ["train", "--model", model, "--steps", str(steps),
+                                      "--trials", str(trials)])
+                meds[n].append(statistics.median(d["samples_per_s"]))
+        effs = [b / (2 * a) for a, b in zip(meds[1], meds[2])]
         for n in (1, 2):
-            d = _run(mpiexec, n, ["train", "--model", model, "--steps", str(steps),
-                                  "--trials", str(trials)])
-            sps = d["samples_per_s"]
-            med = statistics.median(sps)
-            if n == 1:
-                base = med
-            eff = med / (n * base)
+            med = statistics.median(meds[n])
+            eff = 1.0 if n == 1 else statistics.median(effs)
             report["training"].append({"model": model, "ranks": n, "samples_per_s": med,
-                                       "min": min(sps), "max": max(sps), "efficiency": eff})
-            print(f"{model:<7}{n:>6}{med:>12.0f}{f'[{min(sps):.0f}-{max(sps):.0f}]':>20}"
-                  f"{eff * 100:>11.0f}%")
+                                       "min": min(meds[n]), "max": max(meds[n]), "efficiency": eff,
+                                       **({"efficiency_per_round": effs} if n == 2 else {})})
+            per = "" if n == 1 else "  " + " ".join(f"{e * 100:.0f}%" for e in effs)
+            print(f"{model:<7}{n:>6}{med:>12.0f}{f'[{min(meds[n]):.0f}-{max(meds[n]):.0f}]':>20}"
+                  f"{eff * 100:>11.0f}%{per}")
 
     sizes = [4 * 4 ** i for i in range(0, 13)]          # 4 B .. 64 MB
     if args.quick:

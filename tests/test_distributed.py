@@ -168,7 +168,12 @@ for s in range(steps):
         loss = loss_fn(net(x), y)
     loss.backward()
     trainer.step(hi - lo)
+    if s == 0:     # a gradient kept by the user must not change when later steps reuse buffers
+        kept = [p.grad().reshape(-1) for p in net.collect_params().values()]   # views
+        kept_np = [k.asnumpy() for k in kept]
 hl.waitall()
+for k, v in zip(kept, kept_np):
+    assert np.array_equal(k.asnumpy(), v), "a kept gradient changed"
 if prof is not None:
     prof.stop()
 if rank == 0:
