@@ -581,18 +581,22 @@ def _eager(op, inputs, attrs):
                                 f"NDArray, a number or a NumPy array")
     specs = op.infer(*arrs, **attrs)
     outs = [NDArray(tuple(s), d, dev) for s, d in specs]
+    _eager_exec(op, arrs, outs, specs, attrs, dev, (op, arrs[0].shape, outs[0].shape))
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _eager_exec(op, arrs, outs, specs, attrs, dev, ckey):
+    """Run ``outs = op(*arrs)`` (shapes already inferred): at once when the engine allows it,
+    else pushed; then record it for autograd. ``ckey``: the engine's cost key."""
     kernel = op.kernel
     eng = _engine.get_engine()
-    ckey = (op, arrs[0].shape, outs[0].shape)
-    if op.random or not eng.run_ready(kernel, arrs, outs, attrs, dev, ckey, op.name,
-                                      op.state_vars):
+    if op.random or not eng.run_ready(kernel, arrs, outs, attrs, dev, ckey, op.name):
         _push_eager(eng, op, kernel, arrs, outs, specs, attrs, dev, ckey)
     if _ag._state.recording and op.differentiable:
         for a in arrs:
             if a._ag is not None or a._grad_req != "null":
                 _ag.record_op(op, tuple(arrs), outs, attrs)
                 break
-    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def _push_eager(eng, op, kernel, arrs, outs, specs, attrs, dev, ckey):
@@ -602,8 +606,6 @@ def _push_eager(eng, op, kernel, arrs, outs, specs, attrs, dev, ckey):
         meta = _op_meta(op, arrs, specs, attrs)
     reads = [a._var for a in arrs]
     writes = [o._var for o in outs]
-    if op.state_vars:
-        writes.extend(op.state_vars)
     if op.random:
         from . import random as _random
         rs = _random._state

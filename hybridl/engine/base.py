@@ -184,7 +184,7 @@ class Engine:
             if len(self._errors) < _MAX_PENDING_ERRORS:
                 self._errors.append(err)
 
-    def run_ready(self, kernel, arrays, outs, attrs, device, cost_key, name, state_vars=None):
+    def run_ready(self, kernel, arrays, outs, attrs, device, cost_key, name):
         """Fast path of the eager interpreter: run a pure kernel now, in the calling thread,
         without making an op, when that gives the same result as pushing it — every input's
         last write has run and did not fail — and the engine would run it inline anyway (see
@@ -193,9 +193,7 @@ class Engine:
         False is returned (the caller pushes the op).
 
         ``kernel(*[a._data for a in arrays], **attrs)`` returns one array, or a tuple when
-        ``len(outs) > 1``. The outputs must be fresh arrays nobody else has pushed ops on.
-        ``state_vars``: Vars the kernel also reads and writes (a program's buffers); they must
-        be ready too."""
+        ``len(outs) > 1``. The outputs must be fresh arrays nobody else has pushed ops on."""
         return False
 
     def _run_now(self, kernel, arrays, outs, attrs, name, cell):

@@ -34,7 +34,7 @@ class NaiveEngine(Engine):
         _Bulk(self, size)                # argument check only
         return contextlib.nullcontext(self)
 
-    def run_ready(self, kernel, arrays, outs, attrs, device, cost_key, name, state_vars=None):
+    def run_ready(self, kernel, arrays, outs, attrs, device, cost_key, name):
         """Every op runs at its push here: run it without making an op (see Engine.run_ready);
         an error is raised at once, as from ``push``."""
         if self.profiler is not None:
@@ -42,10 +42,6 @@ class NaiveEngine(Engine):
         for a in arrays:
             if a._var.exc is not None:      # let push pass the input's error on
                 return False
-        if state_vars:
-            for v in state_vars:
-                if v.exc is not None:
-                    return False
         with self._lock:
             err = self._run_now(kernel, arrays, outs, attrs, name, None)
         if err is not None:

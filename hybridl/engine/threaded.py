@@ -135,7 +135,7 @@ class ThreadedEngine(Engine):
                 return
         self._run_here(op, q)
 
-    def run_ready(self, kernel, arrays, outs, attrs, device, cost_key, name, state_vars=None):
+    def run_ready(self, kernel, arrays, outs, attrs, device, cost_key, name):
         """Run a tiny kernel now without making an op (see Engine.run_ready) when its cost
         key has been taking less than ``inline_s`` and every input's last write has run (the
         device's worker may be busy with other, independent ops meanwhile: a tiny op does not
@@ -155,32 +155,9 @@ class ThreadedEngine(Engine):
             w = v._writer
             if (w is not None and not w.done) or v.exc is not None:
                 return False
-        claim = None
-        if state_vars:
-            # state written here (a program's buffers) is shared with other threads that may
-            # run the same program: check it is idle AND claim it, atomically, as a push would
-            with self._lock:
-                for v in state_vars:
-                    w = v._writer
-                    if (w is not None and not w.done) or v.exc is not None:
-                        return False
-                    for r in v._readers:      # written here: pending readers go first
-                        if not r.done:
-                            return False
-                claim = _Op(None, [], list(state_vars), None, 0, name, None)
-                claim.seq = next(self._seq)
-                for v in state_vars:
-                    v._writer = claim
-                    v._readers = []
-                self._pending += 1
         runs = cell[1]
         cell[1] = runs + 1
-        try:
-            err = self._run_now(kernel, arrays, outs, attrs, name, None if runs & 7 else cell)
-        finally:
-            if claim is not None:
-                with self._lock:
-                    self._finish(claim)
+        err = self._run_now(kernel, arrays, outs, attrs, name, None if runs & 7 else cell)
         if err is not None:
             self._keep_error(err)
         return True

@@ -204,8 +204,7 @@ def _run(entry, args):
     if entry.fwd.op is None:
         outs = entry.fwd.run(list(args) + pvals)
     else:
-        outs = apply(entry.fwd.op, *args, *pvals)
-    outs = outs if isinstance(outs, tuple) else (outs,)
+        outs = entry.fwd.run_arrays(list(args) + pvals, dev)
     if entry.side_params:
         side = outs[-len(entry.side_params):]
         with autograd.pause(autograd.is_training()):

@@ -7,9 +7,11 @@ thread, one engine op reads every input (parameters included) and writes every o
 Outputs are fresh arrays on every call (planned buffers are never returned), so a result kept
 from call 1 does not change when call 2 runs.
 """
+import threading
+
 import numpy as np
 
-from ..engine import Var
+from ..ndarray import NDArray, _eager_exec
 from ..ops.registry import Op
 from .codegen import generate
 from .passes import run_passes
@@ -50,6 +52,15 @@ class Program:
                                      f"{s} and dtype {d}, got {tuple(x.shape)} {x.dtype}")
             return out_specs
 
+        if self.memory_plan is not None and self.memory_plan.buffers:
+            # the planned buffers are this program's scratch memory: one call at a time uses
+            # them (two threads, or an inline call beside a worker, may run it at once)
+            lock = threading.Lock()
+            plain = fn
+
+            def fn(*arrays, **kw):
+                with lock:
+                    return plain(*arrays, **kw)
         if rnd:
             def kernel(*arrays, _rng=None):
                 return fn(*arrays, _rng=_rng)
@@ -59,9 +70,26 @@ class Program:
         else:
             kernel = fn
         self.op = Op(name, kernel, infer, grad, n_out=n_out, random=rnd)
-        if self.memory_plan is not None and self.memory_plan.buffers:
-            self.op.state_vars = [Var(f"{name}.buffers")]     # one call at a time uses them
+        self._ckey = (self.op, self.in_specs[0][0] if self.in_specs else None,
+                      out_specs[0][0] if out_specs else None)
         self.compile_seconds = time.perf_counter() - t0
+
+    def run_arrays(self, arrays, device):
+        """Run on NDArrays already known to be on ``device``: the fast path of a hybridized
+        call (the input shapes are checked against the program's, the output shapes are the
+        program's; no conversion). Returns a list of NDArrays.
+
+        Raises:
+            ValueError: wrong number of inputs, or an input's shape or dtype differs."""
+        specs = self.in_specs
+        if len(arrays) != len(specs):
+            self.op.infer(*arrays)                 # raises the descriptive error
+        for a, (shp, dt) in zip(arrays, specs):
+            if a.shape != shp or a.dtype != dt:
+                self.op.infer(*arrays)
+        outs = [NDArray(shp, dt, device) for shp, dt in self.out_specs]
+        _eager_exec(self.op, arrays, outs, self.out_specs, {}, device, self._ckey)
+        return outs
 
     def __call__(self, *args):
         """Run on NDArrays (or NumPy arrays / numbers, converted); returns NDArray(s)."""
