@@ -1,5 +1,9 @@
 """Code generation: Graph -> straight-line Python source over preallocated buffers.
 
+An op may give inline code (``Op.emit``: e.g. a 2-D fully-connected layer becomes its
+``np.matmul``, bias add and ReLU lines), which saves the kernel's call and argument handling;
+other ops call their kernel.
+
 The generated function takes the program inputs positionally (and ``_rng`` when the graph
 draws random numbers) and returns a tuple of outputs. Kernels, constants and planned buffers
 are bound as globals of the generated code; ``Program.source`` shows the text, e.g.::
@@ -47,6 +51,7 @@ def generate(graph, name="program"):
     kernels = {}
     n_k = [0]
     rnd = False
+    uses_gemm = False
     for n in graph.nodes:
         if n.kind in ("input", "param"):
             if (n.id, 0) not in names:            # an unused-by-position leaf (should not happen)
@@ -89,10 +94,25 @@ def generate(graph, name="program"):
         outs = [f"v{n.id}_{i}" if len(n.specs) > 1 else f"v{n.id}" for i in range(len(n.specs))]
         for i, o in enumerate(outs):
             names[(n.id, i)] = o
+        inline = None
+        if op.emit is not None and len(outs) == 1:
+            inline = op.emit(outs[0], call_args[:len(n.inputs)], n.attrs,
+                             [(tuple(s.shape), s.dtype) for s in n.inputs], n.specs[0],
+                             call_args[-1][4:] if call_args and call_args[-1].startswith("out=") else None)
+        if inline is not None:
+            code, gemm = inline
+            uses_gemm = uses_gemm or gemm
+            lines.append(f"    {code[0]}  # {comment}")
+            lines.extend(f"    {c}" for c in code[1:])
+            continue
         lhs = ", ".join(outs) + ("," if len(outs) == 1 and len(n.specs) > 1 else "")
         lines.append(f"    {lhs} = {kn}({', '.join(call_args)})  # {comment}")
     ret = [names[s.key()] for s in graph.outputs]
     sig = ", ".join(args + (["_rng=None"] if rnd else []))
+    if uses_gemm:         # inlined GEMMs: the BLAS thread budget, once per call (as kernels do)
+        from ..ops._blas import for_gemm
+        g["_for_gemm"] = for_gemm
+        lines.insert(0, "    _for_gemm()")
     src = [f"def {name}({sig}):"] + lines + [f"    return ({', '.join(ret)}{',' if len(ret) == 1 else ''})"]
     source = "\n".join(src) + "\n"
     code = compile(source, f"<hybridl {name}>", "exec")

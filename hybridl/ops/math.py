@@ -709,6 +709,19 @@ def _mm_kernel(a, b, out=None):
 MATMUL = register("matmul", _mm_kernel, _mm_infer, _g_matmul, _mm_cost)
 
 
+def _mm_emit(out, ins, attrs, in_specs, out_spec, buf):
+    """Inline code for a compiled program (see graph.codegen): the kernel's own NumPy call for
+    two same-dtype float operands of 2 dimensions."""
+    (sa, da), (sb, db) = in_specs
+    if len(sa) != 2 or len(sb) != 2 or da != db or da.kind != "f":
+        return None
+    o = f", out={buf}" if buf else ""
+    return [f"{out} = np.matmul({ins[0]}, {ins[1]}{o})"], True
+
+
+MATMUL.emit = _mm_emit
+
+
 def matmul(a, b):
     """Matrix product with NumPy semantics: (..., n, k) @ (..., k, m) -> (..., n, m); batch
     dimensions broadcast; 1-D operands are promoted as in NumPy.
@@ -785,6 +798,23 @@ def _fc_cost(in_shapes, out_shapes, itemsize, **a):
 FC = register("fully_connected", _fc_kernel, _fc_infer, _g_fc, _fc_cost)
 
 
+def _fc_emit(out, ins, attrs, in_specs, out_spec, buf):
+    """Inline code for a compiled program: the NumPy calls of ``_fc_kernel`` (same order, same
+    results) when x is 2-D and every operand has the output's float dtype."""
+    if len(in_specs[0][0]) != 2 or any(d != out_spec[1] for _, d in in_specs) or out_spec[1].kind != "f":
+        return None
+    o = f", out={buf}" if buf else ""
+    lines = [f"{out} = np.matmul({ins[0]}, {ins[1]}.T{o})"]
+    if len(ins) == 3:
+        lines.append(f"{out} += {ins[2]}")
+    if attrs.get("act") is not None:
+        lines.append(f"np.maximum({out}, 0, out={out})")
+    return lines, True
+
+
+FC.emit = _fc_emit
+
+
 def fully_connected(x, weight, bias=None, flatten=True, act=None):
     """Dense layer ``y = act(x @ weight.T + bias)`` (MXNet FullyConnected, PyTorch linear).
 
@@ -854,6 +884,8 @@ def _g_transpose(c, g):
 
 TRANSPOSE = register("transpose", lambda x, axes: np.transpose(x, axes), _tr_infer, _g_transpose,
                      cost=lambda i, o, s, **a: (0.0, 0.0))
+TRANSPOSE.emit = lambda out, ins, attrs, in_specs, out_spec, buf: (
+    ([f"{out} = {ins[0]}.T"], False) if attrs["axes"] == (1, 0) and not buf else None)
 
 
 def transpose(x, axes=None):

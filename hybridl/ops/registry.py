@@ -21,7 +21,7 @@ OPS = {}
 
 class Op:
     __slots__ = ("name", "kernel", "infer", "grad", "cost", "n_out", "ew", "differentiable",
-                 "random", "state_vars", "out_ok", "priority", "__weakref__")
+                 "random", "out_ok", "priority", "emit", "__weakref__")
 
     def __init__(self, name, kernel, infer, grad=None, cost=None, n_out=1, ew=None,
                  differentiable=True, random=False):
@@ -34,8 +34,8 @@ class Op:
         self.ew = ew
         self.differentiable = differentiable and grad is not None
         self.random = random     # reads and writes the engine RNG Var
-        self.state_vars = None   # extra engine Vars the kernel reads and writes (e.g. buffers)
         self.priority = 0        # engine priority of its ops (a program segment's critical path)
+        self.emit = None         # optional inline code for compiled programs (graph.codegen)
         try:
             import inspect
             self.out_ok = "out" in inspect.signature(kernel).parameters
