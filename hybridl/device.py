@@ -14,7 +14,8 @@ __all__ = ["Device", "cpu", "current_device"]
 class Device:
     """A logical device: ``Device('cpu', 0)`` (also written ``hl.cpu(0)`` or ``'cpu:0'``).
 
-    Devices compare and hash by ``(device_type, device_id)``. Used as a context manager it sets
+    There is one Device object per ``(device_type, device_id)``, so devices compare and hash
+    by identity. Used as a context manager it sets
     the default device for array creation in this thread::
 
         with hl.cpu(1):
@@ -26,15 +27,25 @@ class Device:
 
     __slots__ = ("device_type", "device_id", "_key")
     _types = ("cpu",)
+    _interned = {}
 
-    def __init__(self, device_type="cpu", device_id=0):
-        if device_type not in self._types:
-            raise ValueError(f"device_type: expected one of {self._types}, got {device_type!r}")
+    def __new__(cls, device_type="cpu", device_id=0):
+        # one object per device: equality and hashing are then the identity's (C-level, as
+        # fast as they get; devices are dictionary keys on every hot path)
+        if device_type not in cls._types:
+            raise ValueError(f"device_type: expected one of {cls._types}, got {device_type!r}")
         if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
             raise ValueError(f"device_id: expected an integer >= 0, got {device_id!r}")
-        self.device_type = device_type
-        self.device_id = device_id
-        self._key = (device_type, device_id)
+        key = (device_type, int(device_id))
+        d = cls._interned.get(key)
+        if d is None:
+            d = object.__new__(cls)
+            d.device_type, d.device_id, d._key = device_type, int(device_id), key
+            d = cls._interned.setdefault(key, d)
+        return d
+
+    def __reduce__(self):
+        return (Device, self._key)
 
     @staticmethod
     def parse(spec):
@@ -52,12 +63,6 @@ class Device:
         if kind not in Device._types or (idx and not idx.isdigit()):
             raise ValueError(f"device: expected a string like 'cpu:0', got {spec!r}")
         return Device(kind, int(idx) if idx else 0)
-
-    def __eq__(self, other):
-        return isinstance(other, Device) and other._key == self._key
-
-    def __hash__(self):
-        return hash(self._key)
 
     def __repr__(self):
         return f"{self.device_type}({self.device_id})"

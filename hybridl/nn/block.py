@@ -199,6 +199,9 @@ def _atomic_write(path, write):
     atomic_write(path, write)
 
 
+_GRAPH = []      # [graph.hybrid.call_cached, graph.trace._tls] once imported
+
+
 class HybridBlock(Block):
     """A Block whose ``forward`` can be traced into a graph and compiled (``hybridize()``).
 
@@ -231,9 +234,12 @@ class HybridBlock(Block):
 
     def __call__(self, *args, **kwargs):
         if self._active and not kwargs:
-            from ..graph import hybrid, trace   # (cached in sys.modules after the first call)
-            if trace._tls.__dict__.get("ctx") is None:   # inside another trace: inline it
-                return hybrid.call_cached(self, args)
+            g = _GRAPH
+            if not g:                          # imported on first use (graph imports nn)
+                from ..graph import hybrid, trace
+                g[:] = [hybrid.call_cached, trace._tls]
+            if g[1].__dict__.get("ctx") is None:   # inside another trace: inline it
+                return g[0](self, args)
         return self.forward(*args, **kwargs)
 
     def export(self, prefix, *example_inputs):
