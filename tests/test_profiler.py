@@ -381,7 +381,7 @@ def test_two_chain_example_trace_overlaps_on_two_threads(tmp_path):
     mod = _load_example("two_chains")
     for attempt in range(3):          # overlap depends on the OS scheduler: allow retries
         path = tmp_path / f"two_chains{attempt}.json"
-        res = mod.run(n=256, steps=8, repeat=1, trace=str(path), log=lambda *a: None)
+        res = mod.run(n=256, steps=24, repeat=1, trace=str(path), log=lambda *a: None)
         assert res["parallel"] > 0
         with open(path) as f:
             data = json.load(f)
