@@ -652,3 +652,32 @@ def test_second_order_through_gradient_ops_is_right_or_a_clear_error():
             gw = autograd.grad((nd.conv2d(xc, w) ** 2).sum(), w, create_graph=True)
             hw = gw.sum()
         hw.backward()
+
+
+@pytest.mark.parametrize("xshape,flatten,act,bias,x_grad", [
+    ((5, 7), True, "relu", True, True),
+    ((3, 2, 2, 2), True, None, False, True),        # flattened 4-D input
+    ((2, 3, 7), False, "relu", True, False),        # no gradient for x: gw, gb only
+    ((0, 7), True, "relu", True, True),             # empty batch
+])
+def test_fully_connected_fused_eager_gradient_equals_composed(xshape, flatten, act, bias, x_grad):
+    # eager backward runs one fully_connected_grad op; with create_graph the composed,
+    # differentiable ops run instead: the same NumPy calls, so the same bits
+    rng = np.random.default_rng(3)
+    k = int(np.prod(xshape[1:])) if flatten else xshape[-1]
+    xv = rng.standard_normal(xshape).astype(np.float32)
+    wv = rng.standard_normal((4, k)).astype(np.float32)
+    bv = rng.standard_normal(4).astype(np.float32)
+    cv = rng.standard_normal(xshape[:1] + (4,) if flatten else xshape[:-1] + (4,)).astype(np.float32)
+    res = []
+    for create in (False, True):
+        x, w, b = hl.nd.array(xv), hl.nd.array(wv), hl.nd.array(bv)
+        vs = ([x] if x_grad else []) + [w] + ([b] if bias else [])
+        for v in vs:
+            v.attach_grad()
+        with autograd.record():
+            y = hl.nd.fully_connected(x, w, b if bias else None, flatten=flatten, act=act)
+            loss = (y * hl.nd.array(cv)).sum()
+        res.append([g.asnumpy() for g in autograd.grad(loss, vs, create_graph=create)])
+    for a, c in zip(*res):
+        np.testing.assert_array_equal(a, c)

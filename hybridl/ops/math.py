@@ -12,8 +12,9 @@ import numpy as np
 
 from ._util import (BOOL, F32, I64, as_dtype, broadcast_shape, norm_axes, norm_axis, numel,
                     promote, reduced_shape)
+from .. import autograd as _ag
 from . import _blas
-from .dispatch import apply
+from .dispatch import _BASE, apply
 from .registry import register
 
 # ============================================================================ elementwise binary
@@ -773,9 +774,61 @@ def _fc_kernel(x, w, b=None, flatten=True, act=None, out=None):
     return y.reshape(oshape) if out is None else out
 
 
+def _fc_grad_infer(g, x, w, *y, flatten, act, need_x, need_w, bias):
+    specs = [(tuple(x.shape), g.dtype)] if need_x else []
+    if need_w:
+        specs.append((tuple(w.shape), g.dtype))
+    if bias:
+        specs.append(((w.shape[0],), g.dtype))
+    return specs
+
+
+def _fc_grad_kernel(g, x, w, y=None, *, flatten, act, need_x, need_w, bias):
+    """The NumPy calls of the composed gradient (relu_grad, transpose, matmul, sum: same
+    order, same results) in one kernel."""
+    if act is not None:
+        g = _relu_grad_kernel(g, y)
+    k = w.shape[1]
+    x2 = x.reshape(x.shape[0], k) if flatten else x.reshape(-1, k)
+    g2 = g.reshape(-1, w.shape[0])
+    _blas.for_gemm()
+    res = []
+    gw = np.matmul(g2.T, x2) if need_w else None
+    if need_x:
+        res.append(np.matmul(g2, w).reshape(x.shape))
+    if need_w:
+        res.append(gw)
+    if bias:
+        res.append(_sum_kernel(g2, (0,), False))
+    return res[0] if len(res) == 1 else tuple(res)
+
+
+def _fc_grad_cost(in_shapes, out_shapes, itemsize, **a):
+    n, k = numel(in_shapes[1]) // in_shapes[2][1], in_shapes[2][1]
+    u = in_shapes[2][0]
+    flops = 2.0 * n * u * k * (int(a["need_x"]) + int(a["need_w"]))
+    return flops, float((numel(in_shapes[0]) + numel(in_shapes[1]) + u * k
+                         + sum(numel(s) for s in out_shapes)) * itemsize)
+
+
+FC_GRAD = register("fully_connected_grad", _fc_grad_kernel, _fc_grad_infer, None, _fc_grad_cost)
+
+
 def _g_fc(c, g):
     x, w = c.inputs[0], c.inputs[1]
     flatten = c.attrs["flatten"]
+    if type(g) is _BASE[0] and not _ag._state.recording and (c.needs[0] or c.needs[1]):
+        # eager backward (no higher-order graph being recorded): one op instead of five
+        # (relu_grad, transpose, two matmuls, sum), as MXNet's FullyConnected backward; traced
+        # programs keep the composed ops, which the memory planner can place one by one
+        attrs = {"flatten": flatten, "act": c.attrs.get("act"), "need_x": bool(c.needs[0]),
+                 "need_w": bool(c.needs[1]), "bias": len(c.inputs) == 3}
+        ins = (g, x, w) + ((c.outputs[0],) if attrs["act"] is not None else ())
+        out = apply(FC_GRAD, *ins, **attrs)
+        out = list(out) if isinstance(out, tuple) else [out]
+        gx = out.pop(0) if attrs["need_x"] else None
+        gw = out.pop(0) if attrs["need_w"] else None
+        return (gx, gw) + ((out.pop(0),) if attrs["bias"] else ())
     if c.attrs.get("act") == "relu":
         g = relu_grad(g, c.outputs[0])
     k = w.shape[1]
