@@ -14,11 +14,12 @@ hybridized): MLP b32 <= 1.0x jax.jit; MLP b256 <= best peer; LeNet <= torch.comp
 import argparse
 import os
 import sys
+import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import bench, run_peer, table  # noqa: E402
+from harness import run_peer, table  # noqa: E402
 
 import hybridl as hl  # noqa: E402
 from hybridl import autograd, nn  # noqa: E402
@@ -73,7 +74,62 @@ def data(batch, shape):
     return xs, ys
 
 
-def hybridl_step_time(make_net, batch, shape, hybridize, inner):
+def numpy_mlp_step(batch):
+    """The peers' "NumPy by hand" MLP step (../shared/bench/peers.py, same algorithm and init),
+    built here so that it runs in this process, interleaved with hybridl."""
+    rng = np.random.default_rng(SEED)
+    params = [_init_linear(rng, fi, fo) for fi, fo in [(784, 256), (256, 128), (128, 10)]]
+    W = [np.ascontiguousarray(w.T) for w, _ in params]
+    B = [b.copy() for _, b in params]
+    drng = np.random.default_rng(SEED + 1)
+    xs = [drng.random((batch, 784), dtype=np.float32) for _ in range(NPOOL)]
+    ys = [drng.integers(0, 10, size=batch).astype(np.int64) for _ in range(NPOOL)]
+    lr = np.float32(LR)
+    st = {"i": 0}
+
+    def step():
+        i = st["i"]
+        st["i"] = (i + 1) % NPOOL
+        x, y = xs[i], ys[i]
+        n = x.shape[0]
+        h1 = x @ W[0]; h1 += B[0]; a1 = np.maximum(h1, 0)          # noqa: E702
+        h2 = a1 @ W[1]; h2 += B[1]; a2 = np.maximum(h2, 0)         # noqa: E702
+        z = a2 @ W[2]; z += B[2]                                   # noqa: E702
+        z -= z.max(axis=1, keepdims=True)
+        e = np.exp(z); s = e.sum(axis=1, keepdims=True)            # noqa: E702
+        ar = np.arange(n)
+        loss = -(z[ar, y] - np.log(s[:, 0])).mean()
+        dz = e / s; dz[ar, y] -= 1; dz /= n                        # noqa: E702
+        gW2 = a2.T @ dz; gB2 = dz.sum(0)                           # noqa: E702
+        da2 = dz @ W[2].T; da2 *= (h2 > 0)                         # noqa: E702
+        gW1 = a1.T @ da2; gB1 = da2.sum(0)                         # noqa: E702
+        da1 = da2 @ W[1].T; da1 *= (h1 > 0)                        # noqa: E702
+        gW0 = x.T @ da1; gB0 = da1.sum(0)                          # noqa: E702
+        for p, g in ((W[0], gW0), (W[1], gW1), (W[2], gW2), (B[0], gB0), (B[1], gB1), (B[2], gB2)):
+            g *= lr; p -= g                                        # noqa: E702
+        return loss
+    return step
+
+
+def interleaved(steps, inner, rounds=9):
+    """Median ms per call of each of ``steps`` (name -> fn), timed in alternation (``rounds``
+    rounds of ``inner`` calls each): the machine's speed drifts, so configurations compared
+    by a ratio are timed side by side."""
+    times = {k: [] for k in steps}
+    for f in steps.values():
+        for _ in range(3):
+            f()
+    for _ in range(rounds):
+        for k, f in steps.items():
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                f()
+            times[k].append((time.perf_counter() - t0) / inner * 1e3)
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def hybridl_step(make_net, batch, shape, hybridize):
+    """(step function that syncs, first losses) of a hybridl training step."""
     net = make_net()
     if hybridize:
         net.hybridize()
@@ -95,8 +151,7 @@ def hybridl_step_time(make_net, batch, shape, hybridize, inner):
         step().wait_to_read()
         hl.waitall()
     losses = [float(step().mean().item()) for _ in range(3)]
-    t = bench(step_sync, inner)
-    return t * 1e3, losses
+    return step_sync, losses
 
 
 def main(argv=None):
@@ -110,20 +165,23 @@ def main(argv=None):
     for key, batch in (("mlp32", 32), ("mlp256", 256)):
         if key not in only:
             continue
-        inner = 20 if batch <= 32 else 10
-        e, le = hybridl_step_time(mlp_net, batch, (784,), False, inner)
-        h, lh = hybridl_step_time(mlp_net, batch, (784,), True, inner)
-        rows = [("hybridl eager", e), ("hybridl hybridized", h)]
+        inner = 20 if batch <= 32 else 5
+        e, le = hybridl_step(mlp_net, batch, (784,), False)
+        h, lh = hybridl_step(mlp_net, batch, (784,), True)
+        med = interleaved({"hybridl eager": e, "hybridl hybridized": h,
+                           "numpy by hand, this process": numpy_mlp_step(batch)}, inner)
+        rows = list(med.items())
         if peers:
             for fw in ("numpy", "torch_eager", "torch_compile", "jax_jit_t1", "jax_jit"):
                 rows.append((fw, run_peer("mlp_train", f"{fw}@{batch}")))
         table(f"MLP 784-256-128-10 training step, batch {batch} (first losses eager {le[0]:.4f}, "
-              f"hybridized {lh[0]:.4f})", rows, ref="numpy")
+              f"hybridized {lh[0]:.4f}; hybridl and NumPy by hand interleaved in this process, "
+              f"peers in their own)", rows, ref="numpy by hand, this process")
         _ratios(rows)
     if "lenet" in only:
-        e, le = hybridl_step_time(lenet_net, 128, (1, 28, 28), False, 3)
-        h, lh = hybridl_step_time(lenet_net, 128, (1, 28, 28), True, 3)
-        rows = [("hybridl eager", e), ("hybridl hybridized", h)]
+        e, le = hybridl_step(lenet_net, 128, (1, 28, 28), False)
+        h, lh = hybridl_step(lenet_net, 128, (1, 28, 28), True)
+        rows = list(interleaved({"hybridl eager": e, "hybridl hybridized": h}, 2, rounds=7).items())
         if peers:
             for fw in ("numpy_im2col", "torch_eager", "torch_compile", "jax_jit"):
                 rows.append((fw, run_peer("cnn_train", fw)))
@@ -134,11 +192,20 @@ def main(argv=None):
 
 def _ratios(rows):
     d = {k: v for k, v in rows if v is not None}
-    peers = {k: v for k, v in d.items() if not k.startswith("hybridl")}
+    here = d.get("numpy by hand, this process")
+    peers = {k: v for k, v in d.items() if not k.startswith("hybridl") and k != "numpy by hand, this process"}
+    if here is not None:
+        for k in ("hybridl eager", "hybridl hybridized"):
+            print(f"  {k} / NumPy by hand (same process, interleaved): {d[k] / here:.2f}x")
     if peers:
         best = min(peers, key=peers.get)
         for k in ("hybridl eager", "hybridl hybridized"):
-            print(f"  {k} / best peer ({best}): {d[k] / peers[best]:.2f}x")
+            line = f"  {k} / best peer ({best}): {d[k] / peers[best]:.2f}x"
+            if here is not None and d.get("numpy"):
+                # the peers ran in other processes, at other moments: rescale by the NumPy
+                # step measured in both places (same code) to cancel the machine's drift
+                line += f"; drift-corrected by the two NumPy runs: {d[k] / here * d['numpy'] / peers[best]:.2f}x"
+            print(line)
 
 
 if __name__ == "__main__":
