@@ -26,7 +26,7 @@ BINARY = ["add", "subtract", "multiply", "maximum", "minimum", "div_safe", "wher
 SPECIAL = ["mul1", "one_mul", "add0", "zero_add", "sub0", "div1", "negneg", "transpose2",
            "transpose1", "reshape_chain", "reshape_flat", "sum", "mean", "max", "matmul",
            "const_bin", "const_expr", "dup", "dead", "mul1_broadcast", "mul1_f64", "identity",
-           "cast_f64"]
+           "cast_f64", "concat_reduce"]
 KINDS = UNARY + BINARY + SPECIAL
 
 
@@ -128,6 +128,15 @@ def build(recipe, leaves):
                 v = fn(x)
             else:
                 v = fn(x, axis=r % x.ndim, keepdims=bool(r & 4))
+        elif kind == "concat_reduce":  # a reduction of a concat over axes that keep its axis
+            if x.ndim == 0:
+                v = x * 2.0
+            else:
+                c = r % x.ndim
+                fn = getattr(nd, ("sum", "mean", "max", "min")[r % 4])
+                axes = tuple(a for a in range(x.ndim) if a != c and (r >> a) & 1)
+                cat = nd.concat(x, nd.tanh(x), axis=c)
+                v = fn(cat, axis=axes, keepdims=bool(r & 8)) if axes and x.size else cat
         elif kind == "matmul":
             if x.ndim == 2:
                 v = nd.matmul(x, nd.transpose(x)) * 0.25
@@ -386,6 +395,26 @@ def test_simplify_removes_identities():
     np.testing.assert_array_equal(prog(tv).asnumpy(), tv.transpose(1, 2, 0).transpose(1, 2, 0))
     prog = hl.compile(r, passes=["simplify_algebra"], inputs=[x])
     np.testing.assert_array_equal(prog(xv).asnumpy(), xv.reshape(1, 6))
+
+
+@pytest.mark.parametrize("red", ["sum", "mean", "max", "min"])
+@pytest.mark.parametrize("keepdims", [True, False])
+def test_simplify_reduces_concat_parts_separately(red, keepdims):
+    a, b = hl.sym.var("a", shape=(2, 3, 4, 5)), hl.sym.var("b", shape=(2, 1, 4, 5))
+    out = getattr(nd, red)(nd.concat(a, nd.exp(b), axis=1), axis=(2, 3), keepdims=keepdims)
+    h = P.eliminate_dead_code(P.simplify_algebra(_g(out, [a, b])))
+    assert h.count(red) == 2 and h.count("concat") == 1
+    cat = [n for n in h.op_nodes() if n.op.name == "concat"][0]
+    assert all(s.node.op.name == red for s in cat.inputs)      # the join comes last
+    assert h.outputs[0].shape == out.shape
+    rng = np.random.default_rng(0)
+    av, bv = rng.standard_normal((2, 3, 4, 5), np.float32), rng.standard_normal((2, 1, 4, 5), np.float32)
+    ref = getattr(np, red)(np.concatenate([av, np.exp(bv)], 1), axis=(2, 3), keepdims=keepdims)
+    got = hl.compile(out, passes=["simplify_algebra"], inputs=[a, b])(av, bv).asnumpy()
+    np.testing.assert_allclose(got, ref, rtol=1e-6)
+    # the concat axis reduced: nothing to split
+    h2 = P.simplify_algebra(_g(nd.sum(nd.concat(a, a, axis=1), axis=(1, 2)), [a]))
+    assert h2.count("concat") == 1 and h2.count("sum") == 1
 
 
 def test_simplify_keeps_shape_and_dtype_changing_identities():

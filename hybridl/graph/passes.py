@@ -12,6 +12,7 @@
 The symbolic ``gradient`` lives in :mod:`hybridl.graph.autodiff`. Every pass keeps the graph's
 meaning: the tests check each on random graphs and inputs (hypothesis).
 """
+import builtins
 import os
 
 import numpy as np
@@ -95,7 +96,9 @@ def _all_equal(s, value):
 
 def simplify_algebra(graph):
     """Algebraic identities that keep shape and dtype: x*1, 1*x, x/1, x+0, 0+x, x-0, -(-x),
-    transpose(transpose(x)), reshape(reshape(x)), reshape/broadcast/identity to the same shape."""
+    transpose(transpose(x)), reshape(reshape(x)), reshape/broadcast/identity to the same shape;
+    and a sum/mean/max/min over axes that keep a concat's axis is taken part by part
+    (``_reduce_parts``)."""
     def same(a, node):
         return tuple(a.shape) == node.specs[0][0] and a.dtype == node.specs[0][1]
 
@@ -137,8 +140,36 @@ def simplify_algebra(graph):
         elif name in ("identity", "broadcast_to", "sum_to"):
             if same(ins[0], node):
                 return [ins[0]]
+        elif name in _PER_PART_REDUCTIONS:
+            return _reduce_parts(node, ins[0])
         return None
     return rebuild(graph, rw)
+
+
+# reductions that may move through a concat along an axis they keep (each output element
+# reduces the elements of one part only)
+_PER_PART_REDUCTIONS = ("sum", "mean", "max", "min")
+
+
+def _reduce_parts(node, src):
+    """``reduce(concat(x1..xk, axis=c), axes)`` with c not reduced ->
+    ``concat(reduce(x1, axes)..reduce(xk, axes), axis=c')``: each part is reduced where it is
+    made (in parallel segments: on its own branch's worker) and only the small results are
+    joined, instead of copying every part into one large array first (e.g. the global average
+    pool after an Inception block's concat)."""
+    if src.node.kind != "op" or src.node.op.name != "concat":
+        return None
+    axes, keepdims = node.attrs.get("axis"), node.attrs.get("keepdims")
+    c = src.node.attrs["axis"]
+    if not isinstance(axes, tuple) or c in axes:
+        return None
+    parts = []
+    for x in src.node.inputs:
+        shape = tuple((1 if keepdims else None) if i in axes else d for i, d in enumerate(x.shape))
+        shape = tuple(d for d in shape if d is not None)
+        parts.append(Node("op", node.op, [x], dict(node.attrs), [(shape, node.specs[0][1])]).out())
+    new_c = c if keepdims else c - builtins.sum(1 for a in axes if a < c)
+    return [Node("op", src.node.op, parts, {"axis": new_c}, node.specs).out()]
 
 
 # ---------------------------------------------------------------------------- fusion
