@@ -55,9 +55,10 @@ class Dense(HybridBlock):
         self._act = _act(activation)
         self.weight = Parameter("weight", (units, in_units), dtype, weight_initializer)
         self.bias = Parameter("bias", (units,), dtype, bias_initializer) if use_bias else None
+        object.__setattr__(self, "_known", False)
 
     def forward(self, x):
-        if not self.weight._shape_known():
+        if not (self._known or self._check_known()):
             in_units = 1
             for s in (x.shape[1:] if self._flatten else x.shape[-1:]):
                 in_units *= s
@@ -69,6 +70,11 @@ class Dense(HybridBlock):
         y = F.fully_connected(x, _data(self.weight, x),
                               None if self.bias is None else _data(self.bias, x), self._flatten)
         return self._act(y) if self._act else y
+
+    def _check_known(self):
+        # in_units known (given, or inferred by an earlier forward): then never looked up again
+        object.__setattr__(self, "_known", self.weight._shape_known())
+        return self._known
 
     def _extra_repr(self):
         return f"{self.weight.shape[1] or None} -> {self._units}, {self._act_name or 'linear'}"

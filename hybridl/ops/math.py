@@ -762,13 +762,20 @@ def _fc_infer(x, w, *b, flatten=True, act=None):
 
 
 def _fc_kernel(x, w, b=None, flatten=True, act=None, out=None):
+    _blas.for_gemm()
+    if x.ndim == 2:                         # the common case: no reshapes
+        y = np.matmul(x, w.T, out=out)
+        if b is not None:
+            y += b
+        if act is not None:                 # fused activation: one pass less, one op less
+            np.maximum(y, 0, out=y)
+        return y
     k = w.shape[1]                          # explicit: -1 is ambiguous for an empty batch
     x2 = x.reshape(x.shape[0], k) if flatten else x.reshape(-1, k)
-    _blas.for_gemm()
     y = np.matmul(x2, w.T, out=None if out is None else out.reshape(x2.shape[0], w.shape[0]))
     if b is not None:
         y += b
-    if act is not None:                     # fused activation: one pass less, one op less
+    if act is not None:
         np.maximum(y, 0, out=y)
     oshape = (x.shape[0], w.shape[0]) if flatten else x.shape[:-1] + (w.shape[0],)
     return y.reshape(oshape) if out is None else out
