@@ -40,9 +40,14 @@ class Device:
         d = cls._interned.get(key)
         if d is None:
             d = object.__new__(cls)
-            d.device_type, d.device_id, d._key = device_type, int(device_id), key
+            for name, v in (("device_type", device_type), ("device_id", int(device_id)), ("_key", key)):
+                object.__setattr__(d, name, v)
             d = cls._interned.setdefault(key, d)
         return d
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"Device is immutable (one object per device, shared): cannot set "
+                             f"{name!r}; use hl.cpu(i) or Device('cpu', i) for another device")
 
     def __reduce__(self):
         return (Device, self._key)
@@ -86,7 +91,7 @@ _CPU_CACHE = {}
 
 def cpu(device_id=0):
     """The logical CPU device number ``device_id`` (``hl.cpu()`` is ``cpu(0)``)."""
-    d = _CPU_CACHE.get(device_id)
+    d = _CPU_CACHE.get(device_id) if type(device_id) is int else None   # True == 1, 9.0 == 9
     if d is None:
         d = _CPU_CACHE[device_id] = Device("cpu", device_id)
     return d

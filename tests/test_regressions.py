@@ -258,3 +258,39 @@ def test_empty_batch_through_dense_flatten_and_hybridized_programs():
     y.backward()
     assert y.shape == (0, 4, 3, 3)
     np.testing.assert_array_equal(c.weight.grad().asnumpy(), 0.0)
+
+
+def test_max_pool_out_overlapping_x_gives_the_value_of_a_copy():
+    # the separable pool reads and writes block by block: an out= shifted into x must not
+    # be written before x is read
+    from hybridl import kernels as K
+    x0 = np.random.default_rng(0).standard_normal((2 * 8 * 64 * 32 * 32,)).astype(np.float32)
+    x = x0[:8 * 64 * 32 * 32].reshape(8, 64, 32, 32)
+    ref = K.max_pool2d(x.copy(), (3, 3), (1, 1), (1, 1))
+    out = x0[32 * 32:32 * 32 + x.size].reshape(x.shape)       # x shifted by one plane
+    K.max_pool2d(x, (3, 3), (1, 1), (1, 1), out=out)
+    np.testing.assert_array_equal(out, ref)
+
+
+def test_fully_connected_int_input_computes_in_the_inferred_float_type():
+    x = hl.nd.array(np.arange(6, dtype=np.int64).reshape(2, 3))
+    w = hl.nd.array(np.ones((4, 3), np.float32))
+    w.attach_grad()
+    with hl.autograd.record():
+        y = hl.nd.fully_connected(x, w)
+        loss = (y * y).sum()
+    assert y.dtype == np.float32 and y.asnumpy().dtype == np.float32
+    loss.backward()
+    g = w.grad.asnumpy()
+    assert g.dtype == np.float32
+    np.testing.assert_allclose(g, 2 * y.asnumpy().T @ x.asnumpy().astype(np.float32), rtol=1e-6)
+
+
+def test_devices_are_immutable_and_cpu_checks_the_id_type():
+    d = hl.cpu(1)
+    with pytest.raises(AttributeError, match="immutable"):
+        d.device_id = 6
+    assert d.device_id == 1 and d is hl.Device("cpu", 1)
+    for bad in (True, 1.0):
+        with pytest.raises(ValueError, match="device_id"):
+            hl.cpu(bad)

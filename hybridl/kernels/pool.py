@@ -121,7 +121,10 @@ def max_pool2d(x, kernel, stride=None, padding=(0, 0), *, out=None):
         else:
             np.max(xr, axis=(3, 5), out=y)
         return y
-    dst = y if y.flags.c_contiguous else np.empty((N, C, OH, OW), dtype=x.dtype)
+    # blocks are read and written in turn: an out= that overlaps x (other than x itself,
+    # plane for plane) gets a separate result buffer
+    alias = y is not x and np.may_share_memory(y, x)
+    dst = y if y.flags.c_contiguous and not alias else np.empty((N, C, OH, OW), dtype=x.dtype)
     _max_separable(x.reshape(N * C, H, W), dst.reshape(N * C, OH, OW), kh, kw, sh, sw, ph, pw)
     if dst is not y:
         np.copyto(y, dst)

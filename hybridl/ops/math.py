@@ -763,6 +763,9 @@ def _fc_infer(x, w, *b, flatten=True, act=None):
 
 def _fc_kernel(x, w, b=None, flatten=True, act=None, out=None):
     _blas.for_gemm()
+    if x.dtype != w.dtype:                  # the inferred dtype (an int x takes w's float type)
+        dt = promote(x.dtype, w.dtype)
+        x, w = x.astype(dt, copy=False), w.astype(dt, copy=False)
     if x.ndim == 2:                         # the common case: no reshapes
         y = np.matmul(x, w.T, out=out)
         if b is not None:
@@ -798,6 +801,8 @@ def _fc_grad_kernel(g, x, w, y=None, *, flatten, act, need_x, need_w, bias):
     k = w.shape[1]
     x2 = x.reshape(x.shape[0], k) if flatten else x.reshape(-1, k)
     g2 = g.reshape(-1, w.shape[0])
+    if need_w and x2.dtype != g2.dtype:     # an int x: the weight gradient in g's float type
+        x2 = x2.astype(g2.dtype)
     _blas.for_gemm()
     res = []
     gw = np.matmul(g2.T, x2) if need_w else None
