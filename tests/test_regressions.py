@@ -294,3 +294,20 @@ def test_devices_are_immutable_and_cpu_checks_the_id_type():
     for bad in (True, 1.0):
         with pytest.raises(ValueError, match="device_id"):
             hl.cpu(bad)
+
+
+def test_hybridized_layer_before_a_layer_of_another_float_type_backpropagates():
+    a = nn.Dense(4, in_units=3)
+    b = nn.Dense(2, in_units=4, dtype="float64")
+    a.initialize()
+    b.initialize()
+    x = nd.array(np.random.default_rng(0).standard_normal((5, 3)).astype(np.float32))
+    grads = []
+    for hyb in (False, True):
+        a.hybridize(hyb)
+        with ag.record():
+            loss = b(a(x)).sum()
+        loss.backward()
+        grads.append(a.weight.grad().asnumpy())
+    assert grads[1].dtype == np.float32
+    np.testing.assert_allclose(grads[1], grads[0], rtol=1e-5)

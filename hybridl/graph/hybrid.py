@@ -116,7 +116,11 @@ def _build(fn, args, name, passes, want_grad_data, static=None, parallel_segment
             if not float_out[k]:
                 continue
             g = ogs[k]
-            cot.append(g if g is not None else M.zeros_like_op(c.outputs[k]))
+            if g is None:
+                g = M.zeros_like_op(c.outputs[k])
+            elif g.dtype != c.outputs[k].dtype:     # a later layer of another float type
+                g = g.astype(c.outputs[k].dtype)
+            cot.append(g)
         res = [c.inputs[i] if kind == "input" else c.outputs[i] for kind, i in res_spec]
         gs = apply(bop, *res, *cot)
         gs = gs if isinstance(gs, tuple) else (gs,)
