@@ -293,7 +293,7 @@ def main(argv=None):
     hl.engine.start_workers([hl.cpu(0), hl.cpu(1)])
     chains = report_two_chains(sizes, a.rounds, log)
     overhead = report_overhead(a.ops, a.rounds, log)
-    branches = report_multi_branch(a.branch_batch, a.branch_width, 5, max(5, a.rounds), log)
+    branches = report_multi_branch(a.branch_batch, a.branch_width, 5, max(9, a.rounds), log)
     log(f"load average {os.getloadavg()[0]:.1f} at end")
     if a.json:
         with open(a.json, "w") as f:
