@@ -243,7 +243,11 @@ def test_pass_keeps_meaning_on_random_graphs(pass_name, g):
     _close(ref, _eager(recipe, vals), rtol=1e-6, atol=1e-7)   # passes=[] is the eager function
     prog = _compile(shapes, recipe, [pass_name])
     _close(_run(prog, vals), ref)
-    assert len(prog.graph.nodes) <= len(_compile(shapes, recipe, []).graph.nodes)
+    # no pass grows the graph, except that a reduction of a concat becomes one reduction per
+    # part plus the join (fewer bytes moved, more nodes)
+    split = sum(len(n.inputs) for n in prog.graph.op_nodes() if n.op.name == "concat" and all(
+        s.node.kind == "op" and s.node.op.name in P._PER_PART_REDUCTIONS for s in n.inputs))
+    assert len(prog.graph.nodes) <= len(_compile(shapes, recipe, []).graph.nodes) + split
 
 
 @SETTINGS
@@ -296,7 +300,11 @@ def test_default_pipeline_keeps_meaning_on_random_graphs(g):
     ref = _run(_compile(shapes, recipe, []), vals)
     prog = _compile(shapes, recipe, None)
     _close(_run(prog, vals), ref)
-    assert len(prog.graph.nodes) <= len(_compile(shapes, recipe, []).graph.nodes)
+    # no pass grows the graph, except that a reduction of a concat becomes one reduction per
+    # part plus the join (fewer bytes moved, more nodes)
+    split = sum(len(n.inputs) for n in prog.graph.op_nodes() if n.op.name == "concat" and all(
+        s.node.kind == "op" and s.node.op.name in P._PER_PART_REDUCTIONS for s in n.inputs))
+    assert len(prog.graph.nodes) <= len(_compile(shapes, recipe, []).graph.nodes) + split
 
 
 # ---------------------------------------------------------------------------- targeted
