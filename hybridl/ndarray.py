@@ -512,7 +512,7 @@ def _assign_data(dst, src, priority=0):
         d = src._data
         dst._data = d if d.dtype == dt else d.astype(dt)
 
-    _engine.push(assign, [src._var], [dst._var], dst.device, priority, name="assign")
+    _engine.push(assign, [src._var], [dst._var], dst.device, priority, name="assign", pure=True)
 
 
 def assign_many(pairs, priority=0):
@@ -529,7 +529,7 @@ def assign_many(pairs, priority=0):
             d._data = v if v.dtype == d.dtype else v.astype(d.dtype)
 
     _engine.push(assign, [s._var for s in srcs], [d._var for d in dsts], dsts[0].device,
-                 priority, name=f"assign[{len(pairs)}]")
+                 priority, name=f"assign[{len(pairs)}]", pure=True)
 
 
 def _tracked(x):

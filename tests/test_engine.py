@@ -478,32 +478,43 @@ def test_four_threads_on_one_engine_instance(eng):
 # ============================================================================ inline execution
 
 def test_tiny_pure_ops_run_inline_big_ones_on_the_worker():
+    # "inline" = run by push itself, before it returns; an op that is not run inline runs on
+    # the worker, or in a thread that waits for it (wait_for / waitall help instead of sleeping)
     e = ThreadedEngine(inline_s=1e-3)
     try:
         v, big = Var("v"), Var("big")
         where = []
-        state = {"v": 0}
+        state = {"v": 0, "in_push": False}
 
         def tiny():
-            where.append(threading.current_thread().name)
+            where.append((threading.current_thread().name, state["in_push"]))
             state["v"] += 1
 
         def slow():
-            where.append(threading.current_thread().name)
+            where.append((threading.current_thread().name, state["in_push"]))
             time.sleep(0.02)                        # a slow, non-CPU op: never inline
             while time.thread_time() - t0 < 0.005:  # ... and 5 ms of CPU
                 pass
 
+        def push(*a, **k):
+            state["in_push"] = True
+            try:
+                e.push(*a, **k)
+            finally:
+                state["in_push"] = False
+
+        me = threading.current_thread().name
         t0 = time.thread_time()
-        e.push(tiny, [v], [v], DEVS[0], name="tiny", pure=True)      # unknown: worker
+        push(tiny, [v], [v], DEVS[0], name="tiny", pure=True)      # unknown cost: not inline
         e.waitall()
+        assert where[0] != (me, True)
         for _ in range(5):
-            e.push(tiny, [v], [v], DEVS[0], name="tiny", pure=True)
-            assert where[-1] == threading.current_thread().name        # ran before push returned
-        e.push(tiny, [v], [v], DEVS[0], name="tiny")                  # not pure: worker
+            push(tiny, [v], [v], DEVS[0], name="tiny", pure=True)
+            assert where[-1] == (me, True)                          # ran before push returned
+        push(tiny, [v], [v], DEVS[0], name="tiny")                  # not pure: the worker
         e.waitall()
         assert state["v"] == 7
-        assert where[0].startswith("hybridl-") and where[-1].startswith("hybridl-")
+        assert where[-1][0].startswith("hybridl-")
 
         def slow_timed():
             nonlocal t0
@@ -511,17 +522,17 @@ def test_tiny_pure_ops_run_inline_big_ones_on_the_worker():
             slow()
 
         for _ in range(2):
-            e.push(slow_timed, [], [big], DEVS[0], name="slow", pure=True)
+            push(slow_timed, [], [big], DEVS[0], name="slow", pure=True)
             e.waitall()
-            assert where[-1].startswith("hybridl-")
+            assert where[-1] != (me, True)                          # never inline
         # a tiny op pushed while the device is busy queues behind (and after) it
         gate = threading.Event()
         e.push(lambda: gate.wait(10), [], [Var()], DEVS[0])
-        e.push(tiny, [v], [v], DEVS[0], name="tiny", pure=True)
+        push(tiny, [v], [v], DEVS[0], name="tiny", pure=True)
         assert state["v"] == 7
         gate.set()
         e.wait_for(v)
-        assert state["v"] == 8 and where[-1].startswith("hybridl-")
+        assert state["v"] == 8 and where[-1][1] is False
     finally:
         e.shutdown()
 

@@ -245,6 +245,27 @@ class ThreadedEngine(Engine):
             raise RuntimeError("an engine op waited for an array inside a worker thread; "
                                "ops must not call asnumpy()/wait_to_read() (deadlock)")
 
+    def _take(self, q):                     # lock held
+        """The op at the head of ``q`` when a waiting thread should run it itself (then counted
+        in ``q.busy``), else None. Help while waiting: a pure op runs here rather than waiting
+        for the worker to wake up and win the GIL (this thread would only sleep meanwhile);
+        ops that may block on other threads are not pure and never taken, except a collective
+        marked ``waiter_may_run`` on an idle queue (it would block the waiter anyway)."""
+        if not q.heap or self.inline_s <= 0:
+            return None
+        head = q.heap[0]
+        if head.pure:
+            cell = head.cell
+            tiny = cell is not None and cell[0] is not None and cell[0] < self.inline_s
+            # a big op only when the workers could not all be busy without it: this thread
+            # computing beside every worker would oversubscribe
+            if not (tiny or q.busy + len(q.heap) <= self.num_workers):
+                return None
+        elif q.busy or head.meta is None or not head.meta.get("waiter_may_run"):
+            return None
+        q.busy += 1
+        return heapq.heappop(q.heap)
+
     def _wait_op(self, op):
         lock = self._lock
         with lock:
@@ -252,30 +273,11 @@ class ThreadedEngine(Engine):
                 return
         self._check_not_worker()
         while True:
-            # Help while waiting: a pure op at the head of the device's queue runs here rather
-            # than waiting for the worker to wake up and win the GIL — this thread would only
-            # sleep meanwhile (ops that may block on other threads are not pure: never taken).
             with lock:
                 if op.done:
                     return
                 q = self._queues.get(op.key)
-                job = None
-                if q is not None and q.heap and self.inline_s > 0:
-                    head = q.heap[0]
-                    if head.pure:
-                        cell = head.cell
-                        tiny = cell is not None and cell[0] is not None and cell[0] < self.inline_s
-                        # a big op only when the workers could not all be busy without it:
-                        # this thread computing beside every worker would oversubscribe
-                        if tiny or q.busy + len(q.heap) <= self.num_workers:
-                            job = heapq.heappop(q.heap)
-                            q.busy += 1
-                    elif (not q.busy and head.meta is not None
-                          and head.meta.get("waiter_may_run")):
-                        # an op that only blocks (a collective): the waiting thread would block
-                        # anyway; running it here saves two thread hand-overs
-                        job = heapq.heappop(q.heap)
-                        q.busy += 1
+                job = self._take(q) if q is not None else None
                 if job is None:
                     if op.event is None:
                         op.event = threading.Event()
@@ -287,13 +289,24 @@ class ThreadedEngine(Engine):
 
     def _wait_all(self):
         self._check_not_worker()
-        with self._lock:
-            while self._pending:
-                self._idle_waiters += 1
-                try:
-                    self._idle.wait()
-                finally:
-                    self._idle_waiters -= 1
+        lock = self._lock
+        while True:
+            with lock:
+                if not self._pending:
+                    return
+                job = None
+                for q in self._queues.values():     # help: run a ready op here (see _take)
+                    job = self._take(q)
+                    if job is not None:
+                        break
+                if job is None:
+                    self._idle_waiters += 1
+                    try:
+                        self._idle.wait()
+                    finally:
+                        self._idle_waiters -= 1
+                    continue
+            self._run_here(job, q)
 
     def shutdown(self, timeout=2.0):
         """Cancel queued ops, let running ones finish (up to ``timeout`` seconds), stop workers."""

@@ -119,7 +119,7 @@ class Optimizer:
                                 out=out)
 
         _engine.push(update, [grad._var], [weight._var, state["var"]], weight.device,
-                     priority, f"{type(self).__name__.lower()}_update")
+                     priority, f"{type(self).__name__.lower()}_update", pure=True)
 
 
     def update_many(self, items, device, priority=0):
@@ -142,7 +142,7 @@ class Optimizer:
 
         _engine.push(update, [it[1]._var for it in items],
                      [it[0]._var for it in items] + [it[2]["var"] for it in items], device,
-                     priority, f"{type(self).__name__.lower()}_update[{len(items)}]")
+                     priority, f"{type(self).__name__.lower()}_update[{len(items)}]", pure=True)
 
 
 class SGD(Optimizer):
