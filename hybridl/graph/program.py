@@ -69,7 +69,11 @@ class Program:
                 return fn(*arrays)[0]
         else:
             kernel = fn
-        self.op = Op(name, kernel, infer, grad, n_out=n_out, random=rnd)
+        flops, nbytes = _graph_cost(self.graph)
+
+        def cost(in_shapes, out_shapes, itemsize, **attrs):    # static: the graph's own shapes
+            return flops, nbytes
+        self.op = Op(name, kernel, infer, grad, cost=cost, n_out=n_out, random=rnd)
         self._ckey = (self.op, self.in_specs[0][0] if self.in_specs else None,
                       out_specs[0][0] if out_specs else None)
         self.compile_seconds = time.perf_counter() - t0
@@ -119,6 +123,23 @@ class Program:
 
     def __repr__(self):
         return f"Program({len(self.graph.op_nodes())} ops, {len(self.in_specs)} inputs, {len(self.out_specs)} outputs)"
+
+
+def node_cost(n):
+    """(flops, bytes) of one op node by its op's cost model; (0, 0) when the model fails."""
+    try:
+        f, b = n.op.cost([tuple(s.shape) for s in n.inputs], [tuple(s) for s, _ in n.specs],
+                         n.specs[0][1].itemsize if n.specs else 4, **n.attrs)
+    except Exception:  # noqa: BLE001 - a cost model must never break compilation
+        return 0.0, 0.0
+    return f or 0.0, b or 0.0
+
+
+def _graph_cost(graph):
+    """(flops, bytes) of a graph: the sum over its op nodes (what the profiler reports for a
+    compiled call: GFLOP/s and the roofline bound of the whole program)."""
+    costs = [node_cost(n) for n in graph.op_nodes()]
+    return sum(c[0] for c in costs), sum(c[1] for c in costs)
 
 
 def compile_graph(graph, passes=None, name="program"):

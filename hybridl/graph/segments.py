@@ -17,7 +17,7 @@ BLAS threads.
 from ..ops.dispatch import apply
 from .ir import Graph, Node
 from .passes import run_passes
-from .program import Program
+from .program import Program, node_cost
 
 __all__ = ["partition", "SegmentedProgram"]
 
@@ -55,12 +55,8 @@ _FLOPS_PER_S, _BYTES_PER_S = 5e10, 1e10
 
 
 def _node_seconds(n):
-    try:
-        flops, nbytes = n.op.cost([tuple(s.shape) for s in n.inputs], [tuple(s) for s, _ in n.specs],
-                                  n.specs[0][1].itemsize if n.specs else 4, **n.attrs)
-    except Exception:  # noqa: BLE001 - an estimate must never stop compilation
-        return 0.0
-    return (flops or 0.0) / _FLOPS_PER_S + (nbytes or 0.0) / _BYTES_PER_S
+    flops, nbytes = node_cost(n)
+    return flops / _FLOPS_PER_S + nbytes / _BYTES_PER_S
 
 
 def _rank_priorities(segments):

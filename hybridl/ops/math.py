@@ -820,7 +820,7 @@ def _fc_grad_cost(in_shapes, out_shapes, itemsize, **a):
     u = in_shapes[2][0]
     flops = 2.0 * n * u * k * (int(a["need_x"]) + int(a["need_w"]))
     return flops, float((numel(in_shapes[0]) + numel(in_shapes[1]) + u * k
-                         + sum(numel(s) for s in out_shapes)) * itemsize)
+                         + builtins.sum(numel(s) for s in out_shapes)) * itemsize)
 
 
 FC_GRAD = register("fully_connected_grad", _fc_grad_kernel, _fc_grad_infer, None, _fc_grad_cost)
