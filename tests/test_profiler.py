@@ -423,3 +423,19 @@ def test_trace_cli(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "hybridl", "trace", "--steps", "0"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "--steps" in bad.stderr
+
+
+def test_compiled_call_reports_the_cost_of_its_whole_graph():
+    # a hybridized call is one engine op: its flops are the sum of its nodes' (two dense layers)
+    net = hl.nn.HybridSequential()
+    net.add(hl.nn.Dense(32, in_units=16, activation="relu"), hl.nn.Dense(8, in_units=32))
+    net.initialize()
+    net.hybridize()
+    x = hl.nd.ones((4, 16))
+    net(x).wait_to_read()
+    with hl.profiler.profile() as prof:
+        net(x).wait_to_read()
+    ev = [e for e in prof.events if e.name == "HybridSequential"]
+    assert len(ev) == 1
+    assert ev[0].flops == pytest.approx(2 * 4 * (16 * 32 + 32 * 8), rel=0.05)
+    assert ev[0].bytes >= 4 * (16 * 32 + 32 * 8)          # at least the weights are read
