@@ -152,7 +152,7 @@ def test_copy_overlaps_compute():
     hl.waitall()
     for attempt in range(3):              # overlap depends on the OS scheduler: allow retries
         with profiler.profile() as prof:
-            chain, _ = _slow_chain(n=256, steps=40, device=hl.cpu(1))
+            chain, _ = _slow_chain(n=256, steps=120, device=hl.cpu(1))
             copies = [big.copyto(hl.cpu(1)) for _ in range(8)]
             chain.wait_to_read()
             for c in copies:
