@@ -34,9 +34,12 @@ def _usage():
 def main(argv=None):
     """Dispatch ``hybridl <command>``; returns the process exit code (2 for bad usage)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:                         # no command: usage on stderr, exit 2 (as argparse)
+        print(_usage(), file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
         print(_usage())
-        return 0 if argv else 0
+        return 0
     cmd, rest = argv[0], argv[1:]
     if cmd not in COMMANDS:
         print(f"hybridl: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)

@@ -202,6 +202,11 @@ def fit(net, trainer, train_loader, test_loader, epochs, loss_fn=None, log=print
     return history
 
 
+def _engine_name():
+    from . import engine
+    return engine.get_engine().name
+
+
 def _setup(args):
     from . import engine, random
     if args.engine:
@@ -294,7 +299,8 @@ def _train(args):
               f"{args.optimizer} lr {args.lr} ({args.lr_schedule}), device {devices[0]}"
               + (f" on each of {dist.size()} processes" if dist is not None and dist.size() > 1
                  else "")
-              + f", {'hybridized' if not args.no_hybridize else 'imperative'}", flush=True)
+              + f", {'hybridized' if not args.no_hybridize else 'imperative'}, "
+              f"{_engine_name()} engine", flush=True)
     t0 = time.perf_counter()
     hist = fit(net, trainer, train_loader, test_loader, args.epochs,
                progress=not args.quiet and sys.stderr.isatty(), rank0=rank0,

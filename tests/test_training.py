@@ -210,3 +210,10 @@ def test_cosine_schedule_values_and_use_in_fit():
     n = 2 * len(train)
     np.testing.assert_allclose(seen, [0.1 * (1 + math.cos(math.pi * t / n)) / 2 for t in range(n)])
     assert trainer.learning_rate == pytest.approx(seen[-1])
+
+
+def test_hybridl_without_a_command_prints_usage_and_exits_2(capsys):
+    from hybridl.cli import main
+    assert main([]) == 2
+    assert "usage: hybridl <command>" in capsys.readouterr().err
+    assert main(["--help"]) == 0
