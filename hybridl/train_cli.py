@@ -359,7 +359,12 @@ def main_export(argv=None):
     net(x)                                          # finish deferred shapes
     try:
         if args.params:
-            net.load_parameters(args.params)
+            try:
+                net.load_parameters(args.params)
+            except ValueError as e:          # names/shapes differ: most likely another model
+                raise ValueError(f"{e}; was {args.params!r} saved by `hybridl train --model "
+                                 f"{args.model} --dataset {args.dataset}`? pass the same "
+                                 f"--model and --dataset to export") from e
         net.hybridize()
         sym, par = net.export(args.out, x)
         print(f"wrote {sym} and {par}")
