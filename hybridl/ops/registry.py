@@ -12,7 +12,12 @@ An :class:`Op` bundles (DESIGN §2, after JAX's primitives and CMU needle's comp
   ``ctx.inputs``, ``ctx.outputs`` and ``ctx.attrs`` are available; ``None`` for no gradient;
 * ``cost(in_shapes, out_shapes, itemsize, **attrs) -> (flops, bytes)`` for the profiler and the
   roofline; by default one flop per output element and every input/output byte moved once;
-* ``ew``: for elementwise ops, a numexpr template (``'exp({0})'``) used by the fusion pass.
+* ``ew``: for elementwise ops, a numexpr template (``'exp({0})'``) used by the fusion pass;
+* ``emit(out, ins, attrs, in_specs, out_spec, buf) -> (lines, uses_gemm) | None`` (optional):
+  inline Python for a compiled program instead of a kernel call (``out``/``ins``/``buf`` are
+  variable names, ``buf`` the planned output buffer or None); it must compute exactly what the
+  kernel computes. None when the node does not qualify (see :mod:`hybridl.graph.codegen`);
+* ``priority``: the engine priority of the op's pushes (compiled segments set their upward rank).
 """
 __all__ = ["Op", "register", "OPS", "GradCtx"]
 
