@@ -208,7 +208,7 @@ def _run(entry, args):
     if entry.fwd.op is None:
         outs = entry.fwd.run(list(args) + pvals)
     else:
-        outs = entry.fwd.run_arrays(list(args) + pvals, dev)
+        outs = entry.fwd._run_arrays(list(args) + pvals, dev)
     if entry.side_params:
         side = outs[-len(entry.side_params):]
         with autograd.pause(autograd.is_training()):

@@ -78,10 +78,11 @@ class Program:
                       out_specs[0][0] if out_specs else None)
         self.compile_seconds = time.perf_counter() - t0
 
-    def run_arrays(self, arrays, device):
-        """Run on NDArrays already known to be on ``device``: the fast path of a hybridized
-        call (the input shapes are checked against the program's, the output shapes are the
-        program's; no conversion). Returns a list of NDArrays.
+    def _run_arrays(self, arrays, device):
+        """Run on NDArrays already known to be on ``device`` (the caller guarantees it): the
+        fast path of a hybridized call (input shapes and dtypes checked against the program's,
+        output shapes the program's; no conversion). Returns a list of NDArrays. Users call
+        the program itself (``__call__``), which converts and checks everything.
 
         Raises:
             ValueError: wrong number of inputs, or an input's shape or dtype differs."""
@@ -127,11 +128,7 @@ class Program:
 
 def node_cost(n):
     """(flops, bytes) of one op node by its op's cost model; (0, 0) when the model fails."""
-    try:
-        f, b = n.op.cost([tuple(s.shape) for s in n.inputs], [tuple(s) for s, _ in n.specs],
-                         n.specs[0][1].itemsize if n.specs else 4, **n.attrs)
-    except Exception:  # noqa: BLE001 - a cost model must never break compilation
-        return 0.0, 0.0
+    f, b = n.op.estimate([s.shape for s in n.inputs], n.specs, n.attrs)
     return f or 0.0, b or 0.0
 
 

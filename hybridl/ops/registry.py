@@ -47,6 +47,16 @@ class Op:
         except (TypeError, ValueError):
             self.out_ok = False
 
+    def estimate(self, in_shapes, out_specs, attrs):
+        """``(flops, bytes)`` by the cost model for inputs of ``in_shapes`` and outputs
+        ``out_specs`` [(shape, dtype)], or ``(None, None)`` when the model fails (a cost model
+        must never break execution or compilation)."""
+        try:
+            return self.cost([tuple(s) for s in in_shapes], [tuple(s) for s, _ in out_specs],
+                             out_specs[0][1].itemsize if out_specs else 4, **attrs)
+        except Exception:  # noqa: BLE001
+            return None, None
+
     def __repr__(self):
         return f"Op({self.name})"
 
