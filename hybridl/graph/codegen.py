@@ -82,15 +82,16 @@ def generate(graph, name="program"):
         comment = op.name
         if plan is not None and (n.id, 0) in plan.assign and len(n.specs) == 1:
             b = plan.assign[(n.id, 0)]
+            off = plan.offset.get((n.id, 0), 0)
             shape, dt = n.specs[0]
             bn = f"b{n.id}"
             cnt = int(np.prod(shape))
             if cnt == 0:                    # nothing to hold: no view of the buffer needed
                 g[bn] = np.empty(shape, dt)
             else:
-                g[bn] = raw[b][: cnt * dt.itemsize].view(dt).reshape(shape)
+                g[bn] = raw[b][off: off + cnt * dt.itemsize].view(dt).reshape(shape)
             call_args.append(f"out={bn}")
-            comment += f"  -> buffer {b}" + (" (in place)" if (n.id, 0) in plan.inplace else "")
+            comment += f"  -> buffer {b} @{off}" + (" (in place)" if (n.id, 0) in plan.inplace else "")
         outs = [f"v{n.id}_{i}" if len(n.specs) > 1 else f"v{n.id}" for i in range(len(n.specs))]
         for i, o in enumerate(outs):
             names[(n.id, i)] = o

@@ -343,6 +343,7 @@ class MemoryPlan:
     Attributes:
         buffers (list of int): byte sizes of the persistent buffers.
         assign (dict): (node id, output index) -> buffer index, for values written with out=.
+        offset (dict): the same keys -> byte offset of the value in its buffer.
         inplace (set): values written into the buffer of an input that dies there.
         naive_bytes (int): bytes of every freshly allocated value (no reuse; views are free).
         planned_bytes (int): buffer bytes plus values still allocated fresh (outputs and what
@@ -352,7 +353,7 @@ class MemoryPlan:
     """
 
     def __init__(self):
-        self.buffers, self.assign, self.inplace = [], {}, set()
+        self.buffers, self.assign, self.inplace, self.offset = [], {}, set(), {}
         self.naive_bytes = self.planned_bytes = self.fresh_bytes = 0
 
     @property
@@ -376,6 +377,7 @@ class MemoryPlan:
 
 
 _VIEW_OPS = {"reshape", "transpose", "broadcast_to", "slice", "identity", "stop_gradient"}
+_ALIGN = 64                 # byte alignment of planned values (a cache line)
 
 
 def plan_memory(graph):
@@ -383,10 +385,10 @@ def plan_memory(graph):
 
     A value gets a planned buffer when its kernel accepts ``out=``, it is not an output and no
     output can alias it (ops without ``out=`` may return views of their inputs, so their
-    outputs extend the lifetime of the buffers they read). Buffers are reused greedily (best
-    fit; when no free buffer is big enough the largest free one grows rather than a new one
-    being added) once the last reader of every value aliasing them has run; an elementwise op whose
-    input dies at that op writes in place into the input's buffer. The plan is attached as
+    outputs extend the lifetime of the buffers they read). An elementwise op whose input dies
+    at that op writes in place into the input's memory. Every planned value then gets an
+    offset in one arena buffer: memory is reused once the last reader of every value aliasing
+    it has run, and values whose lifetimes overlap never share bytes. The plan is attached as
     ``graph.memory_plan`` and used by code generation.
     """
     plan = MemoryPlan()
@@ -422,23 +424,18 @@ def plan_memory(graph):
         for s in n.inputs:
             end[s.key()] = max(end.get(s.key(), 0), e)
 
-    free = []               # (nbytes, buffer index)
-    live = []               # (end position, buffer index, key)
-    alias = {}              # value key -> planned buffers it may be (a view of)
+    # 1. allocations: each planned value opens one, or joins its input's when it is written
+    #    in place; an allocation lives from its first value's node to its last reader
+    groups = []             # [nbytes, first node, last node]
+    gsize = []              # item size of each allocation's values
+    gid = {}                # planned value key -> allocation index
+    alias = {}              # value key -> allocations it may be (a view of)
     for i, n in enumerate(nodes):
         if n.kind != "op":
             continue
         for (shape, dt) in n.specs:
             if n.op.name not in _VIEW_OPS:
                 plan.naive_bytes += int(np.prod(shape)) * dt.itemsize
-        # release buffers whose values are dead before this node
-        still = []
-        for e, b, k in live:
-            if e < i:
-                free.append((plan.buffers[b], b))
-            else:
-                still.append((e, b, k))
-        live = still
         if not plannable(n) or n.outputs()[0].key() in escapes:
             if not plannable(n):        # may return views: its outputs alias its inputs' buffers
                 bufs = set().union(*(alias.get(s.key(), ()) for s in n.inputs))
@@ -458,35 +455,54 @@ def plan_memory(graph):
         if n.op.ew is not None or n.op.name == "fused_elementwise":
             for s in n.inputs:
                 k = s.key()
-                if (k in plan.assign and end.get(k) == i and tuple(s.shape) == tuple(shape)
+                if (k in gid and end.get(k) == i and tuple(s.shape) == tuple(shape)
                         and s.dtype == dt
                         # no other input reads the same buffer through a view (x + x.T):
                         # writing into it would change what is still to be read
-                        and not any(plan.assign[k] in alias.get(t.key(), ())
+                        and not any(gid[k] in alias.get(t.key(), ())
                                     for t in n.inputs if t.key() != k)):
-                    b = plan.assign[k]
-                    live = [x for x in live if x[2] != k]
-                    plan.assign[key] = b
+                    g = gid[k]
+                    gid[key] = g
+                    groups[g][2] = max(groups[g][2], end.get(key, i))
                     plan.inplace.add(key)
-                    live.append((end.get(key, i), b, key))
-                    alias[key] = {b}
+                    alias[key] = {g}
                     break
-            if key in plan.assign:
+            if key in gid:
                 continue
-        fits = sorted((sz, b) for sz, b in free if sz >= need)
-        if fits:
-            sz, b = fits[0]
-            free.remove((sz, b))
-        elif free:      # none big enough: grow the largest free one (as MXNet's allocator)
-            sz, b = max(free)
-            free.remove((sz, b))
-            plan.buffers[b] = need
-        else:
-            b = len(plan.buffers)
-            plan.buffers.append(need)
-        plan.assign[key] = b
-        live.append((end.get(key, i), b, key))
-        alias[key] = {b}
+        gid[key] = len(groups)
+        groups.append([need, i, end.get(key, i)])
+        gsize.append(dt.itemsize)
+        alias[key] = {gid[key]}
+    # 2. placement in one arena, largest allocation first, each at the lowest offset free of
+    #    every placed allocation whose lifetime overlaps (the greedy-by-size offset planner of
+    #    TensorFlow Lite's arena; Pisarchyk & Lee 2020, "Efficient Memory Management for Deep
+    #    Neural Net Inference"): the arena is close to the peak of live bytes
+    placed = []             # (offset, nbytes, first, last)
+    offsets = [0] * len(groups)
+    for g in sorted(range(len(groups)), key=lambda g: (-groups[g][0], groups[g][1])):
+        size, first, last = groups[g]
+        # aligned to the dtype (required), and to a cache line for values of 4 KiB and more
+        align = _ALIGN if size >= 4096 else gsize[g]
+        off = 0
+        for o, sz in sorted((o, sz) for o, sz, f2, l2 in placed if f2 <= last and first <= l2):
+            if off + size <= o:
+                break
+            off = max(off, -(-(o + sz) // align) * align)
+        placed.append((off, size, first, last))
+        offsets[g] = off
+    if groups:
+        arena = max(o + sz for o, sz, _, _ in placed)
+        total = sum(gr[0] for gr in groups)
+        if arena > total:       # tiny values lost to alignment: no reuse beats that; laid out
+            off = 0             # by item size, largest first, every offset stays aligned
+            for g in sorted(range(len(groups)), key=lambda g: -gsize[g]):
+                offsets[g] = off
+                off += groups[g][0]
+            arena = total
+        plan.buffers = [arena]
+        for key, g in gid.items():
+            plan.assign[key] = 0
+            plan.offset[key] = offsets[g]
     plan.planned_bytes += sum(plan.buffers)
     g = Graph(graph.inputs, graph.outputs)
     g.memory_plan = plan
