@@ -5,9 +5,12 @@ torch.compile vs jax.jit, on the workloads of ../shared/bench/peers.py:
 * LeNet (conv 6@5x5 pad 2, avg-pool 2, conv 16@5x5, avg-pool 2, dense 120-84-10, ReLU) on
   1x28x28, batch 128, SGD lr 0.1.
 
-Same initial weights (the peers' init) and the same batches for every framework. Targets
-(issue 3, eager): MLP b256 <= 1.15x NumPy by hand; LeNet <= 1.0x PyTorch eager. (issue 4,
-hybridized): MLP b32 <= 1.0x jax.jit; MLP b256 <= best peer; LeNet <= torch.compile.
+Same initial weights (the peers' init) and the same batches for every framework. hybridl runs
+three ways: eager (the Gluon loop: record, backward, ``trainer.step``), hybridized (the same loop
+on a hybridized net: forward and backward are compiled programs) and ``hl.TrainStep`` (forward,
+loss, backward and SGD update compiled into ONE program, as ``jax.jit`` of a train step).
+Targets (issue 3, eager): MLP b256 <= 1.15x NumPy by hand; LeNet <= 1.0x PyTorch eager. (issue
+4, hybridized): MLP b32 <= 1.0x jax.jit; MLP b256 <= best peer; LeNet <= torch.compile.
 
     python benchmarks/train_step.py [--no-peers] [--only mlp32,mlp256,lenet]
 """
@@ -128,19 +131,24 @@ def interleaved(steps, inner, rounds=9):
     return {k: float(np.median(v)) for k, v in times.items()}
 
 
-def hybridl_step(make_net, batch, shape, hybridize):
-    """(step function that syncs, first losses) of a hybridl training step."""
+def hybridl_step(make_net, batch, shape, mode):
+    """(step function that syncs, first losses) of a hybridl training step; ``mode``:
+    'eager', 'hybridized' (the Gluon loop on a hybridized net) or 'compiled' (``hl.TrainStep``:
+    forward, loss, backward and update in one program)."""
     net = make_net()
-    if hybridize:
+    if mode == "hybridized":
         net.hybridize()
     xs, ys = data(batch, shape)
     loss_fn = hl.loss.SoftmaxCrossEntropyLoss()
     trainer = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": LR})
     st = {"i": 0}
+    compiled = hl.TrainStep(net, loss_fn, trainer) if mode == "compiled" else None
 
     def step():
         i = st["i"]
         st["i"] = (i + 1) % NPOOL
+        if compiled is not None:
+            return compiled(xs[i], ys[i])
         with autograd.record():
             loss = loss_fn(net(xs[i]), ys[i])
         loss.backward()
@@ -166,45 +174,51 @@ def main(argv=None):
         if key not in only:
             continue
         inner = 20 if batch <= 32 else 5
-        e, le = hybridl_step(mlp_net, batch, (784,), False)
-        h, lh = hybridl_step(mlp_net, batch, (784,), True)
-        med = interleaved({"hybridl eager": e, "hybridl hybridized": h,
+        e, le = hybridl_step(mlp_net, batch, (784,), "eager")
+        h, lh = hybridl_step(mlp_net, batch, (784,), "hybridized")
+        c, lc = hybridl_step(mlp_net, batch, (784,), "compiled")
+        med = interleaved({"hybridl eager": e, "hybridl hybridized": h, "hybridl TrainStep": c,
                            "numpy by hand, this process": numpy_mlp_step(batch)}, inner)
         rows = list(med.items())
         if peers:
             for fw in ("numpy", "torch_eager", "torch_compile", "jax_jit_t1", "jax_jit"):
                 rows.append((fw, run_peer("mlp_train", f"{fw}@{batch}")))
         table(f"MLP 784-256-128-10 training step, batch {batch} (first losses eager {le[0]:.4f}, "
-              f"hybridized {lh[0]:.4f}; hybridl and NumPy by hand interleaved in this process, "
+              f"hybridized {lh[0]:.4f}, TrainStep {lc[0]:.4f}; hybridl and NumPy by hand interleaved in this process, "
               f"peers in their own)", rows, ref="numpy by hand, this process")
-        _ratios(rows)
+        _ratios(rows, "jax_jit_t1" if batch == 32 else None)
     if "lenet" in only:
-        e, le = hybridl_step(lenet_net, 128, (1, 28, 28), False)
-        h, lh = hybridl_step(lenet_net, 128, (1, 28, 28), True)
-        rows = list(interleaved({"hybridl eager": e, "hybridl hybridized": h}, 2, rounds=7).items())
+        e, le = hybridl_step(lenet_net, 128, (1, 28, 28), "eager")
+        h, lh = hybridl_step(lenet_net, 128, (1, 28, 28), "hybridized")
+        c, lc = hybridl_step(lenet_net, 128, (1, 28, 28), "compiled")
+        rows = list(interleaved({"hybridl eager": e, "hybridl hybridized": h,
+                                 "hybridl TrainStep": c}, 2, rounds=7).items())
         if peers:
             for fw in ("numpy_im2col", "torch_eager", "torch_compile", "jax_jit"):
                 rows.append((fw, run_peer("cnn_train", fw)))
-        table(f"LeNet training step, batch 128 (first losses eager {le[0]:.4f}, hybridized {lh[0]:.4f})",
-              rows, ref="torch_eager")
-        _ratios(rows)
+        table(f"LeNet training step, batch 128 (first losses eager {le[0]:.4f}, hybridized "
+              f"{lh[0]:.4f}, TrainStep {lc[0]:.4f})", rows, ref="torch_eager")
+        _ratios(rows, "torch_compile")
 
 
-def _ratios(rows):
+def _ratios(rows, target_peer=None):
     d = {k: v for k, v in rows if v is not None}
     here = d.get("numpy by hand, this process")
     peers = {k: v for k, v in d.items() if not k.startswith("hybridl") and k != "numpy by hand, this process"}
+    mine = [k for k in ("hybridl eager", "hybridl hybridized", "hybridl TrainStep") if k in d]
     if here is not None:
-        for k in ("hybridl eager", "hybridl hybridized"):
+        for k in mine:
             print(f"  {k} / NumPy by hand (same process, interleaved): {d[k] / here:.2f}x")
-    if peers:
-        best = min(peers, key=peers.get)
-        for k in ("hybridl eager", "hybridl hybridized"):
-            line = f"  {k} / best peer ({best}): {d[k] / peers[best]:.2f}x"
+    named = [(f"best peer ({min(peers, key=peers.get)})", min(peers, key=peers.get))] if peers else []
+    if target_peer in peers:
+        named.append((target_peer, target_peer))
+    for label, peer in named:
+        for k in mine:
+            line = f"  {k} / {label}: {d[k] / peers[peer]:.2f}x"
             if here is not None and d.get("numpy"):
                 # the peers ran in other processes, at other moments: rescale by the NumPy
                 # step measured in both places (same code) to cancel the machine's drift
-                line += f"; drift-corrected by the two NumPy runs: {d[k] / here * d['numpy'] / peers[best]:.2f}x"
+                line += f"; drift-corrected by the two NumPy runs: {d[k] / here * d['numpy'] / peers[peer]:.2f}x"
             print(line)
 
 

@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 _LAZY = {"nn", "init", "loss", "optim", "data", "models", "hardware", "graph", "sym", "parallel",
          "kv", "distributed", "profiler", "onnx", "kernels"}
 _LAZY_ATTRS = {"Trainer": ("optim", "Trainer"), "jit": ("graph", "jit"),
+               "TrainStep": ("graph", "TrainStep"),
                "compile": ("graph", "compile"), "TracingError": ("graph", "TracingError")}
 
 

@@ -10,9 +10,10 @@ from .hybrid import cache_info, jit  # noqa: F401
 from .ir import Graph, Node, Symbol, TracingError, const, var  # noqa: F401
 from .passes import DEFAULT_PASSES, PASSES, fusion_threshold, set_fusion_threshold  # noqa: F401
 from .program import Program
+from .step import TrainStep  # noqa: F401
 
 __all__ = ["Graph", "Node", "Symbol", "TracingError", "var", "const", "compile", "jit",
-           "gradient", "passes", "Program", "cache_info"]
+           "gradient", "passes", "Program", "cache_info", "TrainStep"]
 
 
 def compile(outputs, passes=None, inputs=None, name="program"):  # noqa: A001 - hl.compile

@@ -18,7 +18,7 @@ counts. OpenBLAS itself keeps small products on one thread.
 """
 import os
 
-__all__ = ["for_gemm", "set_budget", "budget", "cores", "pin"]
+__all__ = ["for_gemm", "set_budget", "budget", "cores", "pin", "gemm_tn_accumulate"]
 
 
 def cores():
@@ -40,16 +40,27 @@ _state = {"ctl": None, "cur": None, "max": cores(), "ok": None, "pin": None}
 
 
 def _controller():
+    """The thread controllers of the BLAS libraries loaded (NumPy's; SciPy's own too when
+    something imported SciPy), as one object with ``set_num_threads``."""
     if _state["ok"] is None:
         try:
             import numpy  # noqa: F401 - loads the BLAS library
             from threadpoolctl import ThreadpoolController
             libs = ThreadpoolController().select(user_api="blas").lib_controllers
-            _state["ctl"] = libs[0] if libs else None
+            _state["ctl"] = _All(libs) if libs else None
         except Exception:  # noqa: BLE001 - no control: leave BLAS as it is
             _state["ctl"] = None
         _state["ok"] = _state["ctl"] is not None
     return _state["ctl"]
+
+
+class _All:
+    def __init__(self, libs):
+        self.libs = libs
+
+    def set_num_threads(self, n):
+        for lib in self.libs:
+            lib.set_num_threads(n)
 
 
 def for_gemm():
@@ -61,6 +72,69 @@ def for_gemm():
         if ctl is not None:
             ctl.set_num_threads(want)
         _state["cur"] = want
+
+
+_GEMM = {}
+_KIND = {"f": "s", "d": "d"}
+
+
+def _numpy_gemm(kind):
+    """``cblas_?gemm`` of the BLAS NumPy itself is linked to (the same library, threads and
+    budget as ``np.matmul``; a second BLAS in the process would bring a second pool of
+    spinning threads), through ctypes, or None when it cannot be found. Returns
+    ``(function, int type)``."""
+    if kind in _GEMM:
+        return _GEMM[kind]
+    _GEMM[kind] = None
+    try:
+        import ctypes
+
+        import numpy
+        from threadpoolctl import threadpool_info
+        numpy.ones(1)        # noqa: the library is loaded with numpy
+        paths = [i["filepath"] for i in threadpool_info()
+                 if i.get("user_api") == "blas" and "numpy" in i["filepath"]]
+        for path in paths:
+            lib = ctypes.CDLL(path)
+            for name, itype in ((f"scipy_cblas_{kind}gemm64_", ctypes.c_int64),
+                                (f"cblas_{kind}gemm64_", ctypes.c_int64),
+                                (f"cblas_{kind}gemm", ctypes.c_int)):
+                fn = getattr(lib, name, None)
+                if fn is not None:
+                    real = ctypes.c_float if kind == "s" else ctypes.c_double
+                    fn.restype = None
+                    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, itype, itype, itype,
+                                   real, ctypes.c_void_p, itype, ctypes.c_void_p, itype, real,
+                                   ctypes.c_void_p, itype]
+                    _GEMM[kind] = (fn, itype)
+                    return _GEMM[kind]
+    except Exception:  # noqa: BLE001 - no such library: callers fall back to NumPy
+        _GEMM[kind] = None
+    return None
+
+
+def gemm_tn_accumulate(alpha, a, b, beta, c):
+    """``c = alpha * a.T @ b + beta * c`` in place, as ONE BLAS call (``cblas_?gemm``, whose
+    ``beta`` NumPy's matmul lacks). ``a`` (K, M), ``b`` (K, N), ``c`` (M, N): C-contiguous,
+    one float dtype (float32 or float64). Returns False (and does nothing) when that BLAS
+    function is not available or the arrays do not qualify; the caller then computes it with
+    NumPy."""
+    kind = _KIND.get(c.dtype.char)
+    if (kind is None or not (a.dtype == b.dtype == c.dtype) or a.ndim != 2 or b.ndim != 2
+            or not (a.flags.c_contiguous and b.flags.c_contiguous and c.flags.c_contiguous
+                    and c.flags.writeable)
+            or a.shape[0] != b.shape[0] or c.shape != (a.shape[1], b.shape[1])):
+        return False
+    got = _numpy_gemm(kind)
+    if got is None:
+        return False
+    fn, _ = got
+    (k, m), n = a.shape, b.shape[1]
+    for_gemm()
+    # row-major (101); a transposed (112), b as is (111)
+    fn(101, 112, 111, m, n, k, alpha, a.ctypes.data, max(m, 1), b.ctypes.data, max(n, 1), beta,
+       c.ctypes.data, max(n, 1))
+    return True
 
 
 def set_budget(n):

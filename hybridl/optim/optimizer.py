@@ -91,15 +91,23 @@ class Optimizer:
             g = g + w.dtype.type(wd) * w
         return g
 
-    def step_kernel(self, w, g, state, lr, wd, t, rescale, clip, out=None):
+    def step_kernel(self, w, g, state, lr, wd, t, rescale, clip, out=None, scratch=None):
         """NumPy update: returns the new weight, written into ``out`` when it is given (``out``
         is ``w`` itself when nobody else can see ``w``'s buffer, see :func:`_owned`), else a new
         array; state arrays are the optimizer's own and may be updated in place or replaced in
-        ``state``. ``g`` is never written. ``t`` is the 1-based update count of this parameter;
+        ``state``. ``g`` is never written, unless it is also passed as ``scratch`` (an array
+        like ``g`` the kernel may overwrite: a compiled step's gradient that dies here). ``t`` is the 1-based update count of this parameter;
         ``rescale`` and ``clip`` are the values of ``rescale_grad`` / ``clip_gradient`` when the
         update was pushed (the op runs later: reading the attributes then would race with the
         frontend)."""
         raise NotImplementedError
+
+    def gemm_coefficients(self, lr, wd, rescale, clip):
+        """``(alpha, beta)`` when this update is ``w = beta * w + alpha * grad`` with no state
+        (then a compiled step computes a weight gradient ``A @ B`` and the update as ONE GEMM
+        with accumulation, ``w = alpha A B + beta w``: the gradient is never stored), else
+        None. Arguments as :meth:`step_kernel`."""
+        return None
 
     def update(self, weight, grad, state, lr_mult=1.0, wd_mult=1.0, priority=0):
         """Push one engine op: ``weight`` and ``state`` are updated from ``grad``.
@@ -157,12 +165,20 @@ class SGD(Optimizer):
         self.momentum, self.nesterov = float(momentum), bool(nesterov)
         self.state_names = ("momentum",) if momentum else ()
 
-    def step_kernel(self, w, g, st, lr, wd, t, rescale, clip, out=None):
+    def gemm_coefficients(self, lr, wd, rescale, clip):
+        """Plain SGD (no momentum, no clipping): ``w = (1 - lr wd) w - lr rescale grad``."""
+        if self.momentum or clip is not None:
+            return None
+        return -lr * rescale, 1.0 - lr * wd
+
+    def step_kernel(self, w, g, st, lr, wd, t, rescale, clip, out=None, scratch=None):
         dt = w.dtype.type
         if not self.momentum and clip is None and not wd:
             # the common case in two passes, as by hand: step = (lr * rescale) * g; w -= step
-            step = np.multiply(g, dt(lr * rescale))
-            return np.subtract(w, step, out=out if out is not None else step)
+            step = np.multiply(g, dt(lr * rescale), out=scratch)
+            if out is None:     # a new weight array: never the scratch (its owner reuses it)
+                out = step if scratch is None else None
+            return np.subtract(w, step, out=out)
         g = self._grad(g, w, wd, rescale, clip)
         if self.momentum:
             if t == 1:
@@ -189,7 +205,7 @@ class Adam(Optimizer):
                 raise ValueError(f"{n}: expected in [0, 1), got {b}")
         self.beta1, self.beta2, self.epsilon = float(beta1), float(beta2), float(epsilon)
 
-    def step_kernel(self, w, g, st, lr, wd, t, rescale, clip, out=None):
+    def step_kernel(self, w, g, st, lr, wd, t, rescale, clip, out=None, scratch=None):
         dt = w.dtype.type
         if self.decoupled:
             g = self._grad(g, w, 0.0, rescale, clip)

@@ -1,0 +1,463 @@
+"""Whole-step compilation: forward, loss, backward and the optimizer update in ONE program.
+
+``step = hl.TrainStep(net, loss_fn, trainer)`` then ``loss = step(data, label)`` does what the
+Gluon loop does::
+
+    with autograd.record():
+        loss = loss_fn(net(data), label)
+    loss.backward()
+    trainer.step(data.shape[0])
+
+but as one compiled program pushed as one engine op (as ``jax.jit`` of a train step, or
+``torch.compile`` of a step with ``backward()`` and ``optimizer.step()`` inside). The program is
+the ``gradient`` pass's joint forward+backward graph of ``sum(loss)`` followed by one update
+node per trained parameter; each update runs as soon as its gradient exists and every other
+reader of that weight has run, so a layer's gradient buffer is reused by the next layer's (the
+memory plan covers the gradients too, which a separate backward program must hand out).
+
+Differences from the loop, by design:
+
+* ``Parameter.grad()`` is not written: the gradients live only inside the program (as under
+  ``jax.jit``). Use the loop when you need them (gradient clipping by global norm, logging).
+* one device, no kvstore: for several devices or processes use the loop with a kvstore.
+* parameters with ``grad_req='add'`` are refused (their accumulated ``.grad`` is not kept).
+
+Everything else is the loop's: the same parameters, optimizer and optimizer state (momentum,
+Adam moments, update counts; ``trainer.save_states`` works), ``trainer.set_learning_rate``,
+``lr_mult``/``wd_mult``, BatchNorm running statistics, Dropout drawing from ``hl.random`` in
+the same order. Results equal the loop's (tests: float32, rtol 1e-5).
+"""
+import math
+import warnings
+
+import numpy as np
+
+from .. import autograd
+from .. import engine as _engine
+from ..ndarray import NDArray
+from ..ops import _blas
+from ..ops.registry import Op
+from . import trace as _trace
+from .autodiff import gradient
+from .hybrid import _Cache, trace_graph
+from .ir import Graph, Node, Symbol, const
+from .passes import DEFAULT_PASSES, PASSES, _VIEW_OPS, run_passes
+from .program import Program, _graph_cost
+
+__all__ = ["TrainStep"]
+
+# one row of the per-call hyper-parameter input: lr, wd, t, rescale, owned, clip (nan: none)
+_HP = 6
+_TOKEN = np.zeros((), np.float32)
+
+
+def _update_kernel(w, g, hp, *deps, slot, step, scratch, out=None):
+    """The optimizer update of one weight, in place when nobody else can see it (the row
+    ``hp[slot]`` holds the values taken when the step was pushed); ``deps`` only order it after
+    every other reader of ``w``. Returns a 0-d token (the node's value)."""
+    lr, wd, t, rescale, owned, clip = hp[slot]
+    holder = step.weights[slot]
+    res = step.opt.step_kernel(w, g, step.states[slot]["arrays"], float(lr), float(wd), int(t),
+                                float(rescale), None if math.isnan(clip) else float(clip),
+                                out=w if owned else None, scratch=g if scratch else None)
+    if res is not w:
+        holder._data = res
+    return _TOKEN
+
+
+def _update_infer(w, g, hp, *deps, slot, step, scratch):
+    return [((), np.dtype(np.float32))]
+
+
+def _update_cost(in_shapes, out_shapes, itemsize, **attrs):
+    n = float(np.prod(in_shapes[0]))
+    return 3.0 * n, 5.0 * n * itemsize       # as SGD: scale, subtract; g, w read, w written
+
+
+_UPDATE = Op("optimizer_update", _update_kernel, _update_infer, None, cost=_update_cost,
+             differentiable=False)
+
+
+def _gemm_update_kernel(w, g, x, hp, *deps, slot, step, out=None):
+    """The weight gradient ``g.T @ x`` and its update in one: when the optimizer's update is
+    ``w = beta w + alpha grad`` (:meth:`~hybridl.optim.Optimizer.gemm_coefficients`: plain
+    SGD) and ``w`` may be written in place, ONE GEMM with accumulation (BLAS ``?gemm``'s
+    ``C = alpha A B + beta C``, as MXNet's ``kAddTo`` / PyTorch's ``addmm_``) updates ``w``
+    and no gradient is stored; otherwise the gradient is computed and the optimizer's own
+    kernel applies it."""
+    lr, wd, t, rescale, owned, clip = hp[slot]
+    clip = None if math.isnan(clip) else float(clip)
+    coef = step.opt.gemm_coefficients(float(lr), float(wd), float(rescale), clip) if owned else None
+    if coef is not None and _blas.gemm_tn_accumulate(coef[0], g, x, coef[1], w):
+        return _TOKEN
+    _blas.for_gemm()
+    grad = np.matmul(g.T, x)
+    return _update_kernel(w, grad, hp, slot=slot, step=step, scratch=True)
+
+
+def _gemm_update_infer(w, g, x, hp, *deps, slot, step):
+    return [((), np.dtype(np.float32))]
+
+
+def _gemm_update_cost(in_shapes, out_shapes, itemsize, **attrs):
+    (u, k), b = in_shapes[0], in_shapes[1][0]
+    return 2.0 * b * u * k + 2.0 * u * k, float((2 * u * k + b * (u + k)) * itemsize)
+
+
+_GEMM_UPDATE = Op("gemm_update", _gemm_update_kernel, _gemm_update_infer, None,
+                  cost=_gemm_update_cost, differentiable=False)
+_UPDATES = (_UPDATE, _GEMM_UPDATE)
+
+
+def _fuse_gemm_updates(graph):
+    """update(w, matmul(transpose(g), x)) -> gemm_update(w, g, x): a weight gradient read by
+    its update only (2-D, same float dtype) is never stored."""
+    count = {}
+    for n in graph.nodes:
+        for s in n.inputs:
+            count[s.key()] = count.get(s.key(), 0) + 1
+    outs = {s.key() for s in graph.outputs}
+
+    def rw(node, ins):
+        if node.op is not _UPDATE:
+            return None
+        w, gs, hp = ins[:3]
+        mm = gs.node
+        if (mm.kind != "op" or mm.op.name != "matmul" or count.get(gs.key(), 0) != 1
+                or gs.key() in outs):
+            return None
+        a, x = mm.inputs
+        tr = a.node
+        if tr.kind != "op" or tr.op.name != "transpose" or len(a.shape) != 2:
+            return None
+        g = tr.inputs[0]
+        if (len(g.shape) != 2 or len(x.shape) != 2 or g.shape[0] != x.shape[0]
+                or tuple(w.shape) != (g.shape[1], x.shape[1])
+                or not (w.dtype == g.dtype == x.dtype) or w.dtype.kind != "f"):
+            return None
+        attrs = {"slot": node.attrs["slot"], "step": node.attrs["step"]}
+        return Node("op", _GEMM_UPDATE, [w, g, x, hp], attrs, node.specs, node.name).outputs()
+    from .ir import rebuild
+    return rebuild(graph, rw)
+
+
+def _substitute(graph, inputs, sub):
+    """Copy ``graph`` with leaf values replaced by ``sub`` (key -> Symbol); ``inputs``: the
+    new program inputs."""
+    mapping = {}
+    for n in graph.nodes:
+        if n.kind != "op":
+            for i in range(len(n.specs)):
+                mapping[(n.id, i)] = sub.get((n.id, i), Symbol(n, i))
+            continue
+        nn = Node("op", n.op, [mapping[s.key()] for s in n.inputs], n.attrs, n.specs, n.name)
+        for i, o in enumerate(nn.outputs()):
+            mapping[(n.id, i)] = o
+    return Graph(inputs, [mapping[s.key()] for s in graph.outputs])
+
+
+def _schedule_updates(graph):
+    """Give each update node the outputs of every other reader of its weight (and of views of
+    it) as extra inputs, and place it right after the last of its inputs: the weight is
+    written in place only once nobody reads it any more, and the gradient dies there. Nodes
+    are recreated in the new order (a Graph orders its nodes by creation)."""
+    nodes = graph.nodes
+    consumers = {}
+    for n in nodes:
+        for s in n.inputs:
+            consumers.setdefault(s.key(), []).append(n)
+
+    def readers(w):
+        """Nodes reading ``w`` or a value that may alias it (views; ops without ``out=``)."""
+        found, todo, seen = [], [w.key()], set()
+        while todo:
+            k = todo.pop()
+            if k in seen:
+                continue
+            seen.add(k)
+            for c in consumers.get(k, ()):
+                if c.op in _UPDATES:
+                    continue
+                found.append(c)
+                if c.op.name in _VIEW_OPS or not c.op.out_ok:
+                    todo.extend(o.key() for o in c.outputs())
+        return found
+
+    def ancestors(syms):
+        seen, todo = set(), [s.node for s in syms]
+        while todo:
+            m = todo.pop()
+            if m.id not in seen:
+                seen.add(m.id)
+                todo.extend(s.node for s in m.inputs)
+        return seen
+
+    deps = {}
+    for n in nodes:
+        if n.kind == "op" and n.op in _UPDATES:
+            # readers the update already depends on (the forward) need no extra edge, which
+            # would keep their outputs alive until the update
+            before = ancestors(n.inputs)
+            rs = {c.id: c for c in readers(n.inputs[0]) if c.id not in before}
+            deps[n.id] = [c.outputs()[0] for c in rs.values()]
+    order = [n for n in nodes if n.kind == "op" and n.op not in _UPDATES]
+    pos = {n.id: i for i, n in enumerate(order)}
+    after = {}                      # index in ``order`` -> update nodes placed after it
+    for n in nodes:
+        if n.kind == "op" and n.op in _UPDATES:
+            last = max((pos.get(s.node.id, -1) for s in n.inputs + deps[n.id]), default=-1)
+            after.setdefault(last, []).append(n)
+    sequence = after.get(-1, [])
+    for i, n in enumerate(order):
+        sequence.append(n)
+        sequence.extend(after.get(i, []))
+    mapping = {}
+    for n in nodes:
+        if n.kind != "op":
+            for i in range(len(n.specs)):
+                mapping[(n.id, i)] = Symbol(n, i)
+    for n in sequence:
+        ins = [mapping[s.key()] for s in n.inputs]
+        if n.op in _UPDATES:
+            ins += [mapping[s.key()] for s in deps[n.id]]
+        nn = Node("op", n.op, ins, n.attrs, n.specs, n.name)
+        for i, o in enumerate(nn.outputs()):
+            mapping[(n.id, i)] = o
+    return Graph(graph.inputs, [mapping[s.key()] for s in graph.outputs])
+
+
+class _Entry:
+    """One cached program and what its update nodes write (``opt``, ``weights``, ``states``:
+    bound by each call's engine op before the program runs; calls are serialized by the
+    engine, as each writes the weights)."""
+    __slots__ = ("prog", "params", "upd", "tindex", "side", "ckey", "random", "cost", "owned",
+                 "opt", "weights", "states")
+
+
+class TrainStep:
+    """A compiled training step: ``loss = step(data, label)`` (see the module docstring).
+
+    Args:
+        net (Block): the model; it may be hybridized or not (it is traced either way).
+        loss_fn (callable): ``loss_fn(net(data), label)`` -> per-sample losses (N,), e.g.
+            ``hl.loss.SoftmaxCrossEntropyLoss()``.
+        trainer (Trainer): its optimizer, hyper-parameters and state are used and updated.
+        passes: compiler passes (names), default :data:`hybridl.graph.DEFAULT_PASSES`.
+
+    Call ``step(data, label, batch_size=None)``: data and label NDArrays on one device;
+    ``batch_size`` (default ``data.shape[0]``) scales the gradients by 1 / batch_size as
+    ``trainer.step(batch_size)``. Returns the per-sample losses (an NDArray, asynchronous).
+    One program per signature (shapes, dtypes, device); ``cache_info()`` as hybridized blocks.
+    ``last_program`` is the compiled :class:`~hybridl.graph.program.Program` (``.source``,
+    ``.memory_plan``).
+
+    Raises:
+        TypeError: ``trainer`` is not a Trainer, data or label not NDArrays.
+        ValueError: the trainer has a kvstore or parameters on several devices, a trained
+            parameter has ``grad_req='add'``, the loss is not a float array, data and label on
+            different devices, or ``batch_size`` <= 0.
+    """
+
+    def __init__(self, net, loss_fn, trainer, passes=None):
+        from ..optim.trainer import Trainer
+        if not isinstance(trainer, Trainer):
+            raise TypeError(f"trainer: expected an hl.Trainer, got {type(trainer).__name__}")
+        if not callable(net) or not callable(loss_fn):
+            raise TypeError("net and loss_fn: expected callables (a Block and a loss)")
+        if trainer._kv_spec is not None:
+            raise ValueError(f"trainer: TrainStep runs on one device without a kvstore, got "
+                             f"kvstore={trainer._kv_spec!r}; use the record/backward/step loop")
+        self.net, self.loss_fn, self.trainer = net, loss_fn, trainer
+        self._passes = tuple(DEFAULT_PASSES if passes is None else passes)
+        for p in self._passes:
+            if isinstance(p, str) and p not in PASSES:
+                raise ValueError(f"passes: unknown pass {p!r}; known: {sorted(PASSES)}")
+        self._cache = _Cache()
+        self._last = None
+
+    # ------------------------------------------------------------------ building
+    def _build(self, data, label):
+        dev = data.device
+
+        def fn(x, y):
+            return self.loss_fn(self.net(x), y)
+
+        with autograd.train_mode():
+            inputs, outs, single, ctx = trace_graph(fn, [data, label])
+        if not single:
+            raise ValueError("loss_fn: expected one array of per-sample losses, got several")
+        loss = outs[0]
+        if loss.dtype.kind != "f":
+            raise ValueError(f"loss_fn: expected a float loss, got dtype {loss.dtype}")
+        params = ctx.params
+        tr = self.trainer
+        index = {id(p): i for i, p in enumerate(tr._params)}
+        for p in params:
+            if id(p) in index and len(p.list_device()) > 1:
+                raise ValueError(f"parameter {p.name!r} lives on {len(p.list_device())} devices; "
+                                 f"TrainStep runs on one device (use the loop with a kvstore)")
+            if id(p) in index and p.grad_req == "add":
+                raise ValueError(f"parameter {p.name!r} has grad_req='add'; TrainStep does not "
+                                 f"keep .grad (use the record/backward/step loop)")
+        n_data = 2
+        wrt = [n_data + j for j, p in enumerate(params)
+               if id(p) in index and p.dtype.kind == "f"]
+        unused = [p.name for p in tr._params if all(p is not q for q in params)]
+        if unused:
+            warnings.warn(f"TrainStep: trainer parameters {unused} are not used by the forward "
+                          f"and are never updated", RuntimeWarning, stacklevel=4)
+        side_params = [p for p, _ in ctx.side_effects]
+        side_vals = [s for _, s in ctx.side_effects]
+        joint, cots, wrt = gradient(Graph(inputs, [loss]), wrt)
+        # the head gradient of loss.backward() is ones: a constant the passes can fold
+        ones = const(np.ones(loss.shape, loss.dtype))
+        hp = Node("input", specs=[((max(len(wrt), 1), _HP), np.float64)], name="hyperparams").out()
+        g = _substitute(joint, inputs + [hp], {cots[0].key(): ones})
+        grads = g.outputs[1:]
+        e = _Entry()
+        upd, tokens = [], []
+        for k, (i, gsym) in enumerate(zip(wrt, grads)):
+            p = params[i - n_data]
+            upd.append(p)
+            node = Node("op", _UPDATE, [inputs[i], gsym, hp],
+                        {"slot": k, "step": e, "scratch": False}, [((), np.float32)],
+                        f"update {p.name}")
+            tokens.append(node.out())
+        graph = Graph(inputs + [hp], [g.outputs[0]] + tokens + side_vals)
+        # every pass but the memory plan, then the updates' order, then the plan
+        planner = PASSES["plan_memory"]
+        plan = any(p == "plan_memory" or p is planner for p in self._passes)
+        graph = run_passes(graph, [p for p in self._passes if p != "plan_memory" and p is not planner])
+        graph = _schedule_updates(_allow_scratch(_fuse_gemm_updates(graph)))
+        prog = Program(graph, ["plan_memory"] if plan else [], "train_step")
+        e.prog, e.params, e.upd, e.side = prog, params, upd, side_params
+        e.tindex = [index[id(p)] for p in upd]
+        from ..optim.optimizer import _owned     # (optim imports nn, which imports graph)
+        e.owned = _owned
+        e.random = prog.op.random
+        flops, nbytes = _graph_cost(prog.graph)
+        e.cost = {"flops": flops, "bytes": nbytes}
+        e.ckey = ("train_step", id(prog))
+        return e
+
+    # ------------------------------------------------------------------ running
+    def __call__(self, data, label, batch_size=None):
+        if not isinstance(data, NDArray) or not isinstance(label, NDArray):
+            raise TypeError(f"data, label: expected NDArrays, got {type(data).__name__} and "
+                            f"{type(label).__name__} (wrap with hl.nd.array)")
+        dev = data.device
+        if label.device != dev:
+            raise ValueError(f"label: on {label.device!r} but data on {dev!r}; copy it with "
+                             f"label.copyto({dev!r})")
+        bs = data.shape[0] if batch_size is None else batch_size
+        if not bs or bs <= 0:
+            raise ValueError(f"batch_size: expected a positive number, got {bs!r}")
+        cache = self._cache
+        if cache.version != _trace.STRUCTURE_VERSION[0]:
+            cache.entries = {}
+            cache.version = _trace.STRUCTURE_VERSION[0]
+        sig = ((tuple(data.shape), data.dtype.str, dev), (tuple(label.shape), label.dtype.str),
+               tuple(p.grad_req for p in self.trainer._params))
+        e = cache.entries.get(sig)
+        if e is None:
+            cache.miss(_step_miss_reason(sig, list(cache.entries)), "TrainStep", stacklevel=3)
+            e = self._build(data, label)
+            cache.entries[sig] = e
+            self._last = e
+        else:
+            cache.hits += 1
+        return self._run(e, data, label, dev, float(bs))
+
+    def _run(self, e, data, label, dev, bs):
+        tr = self.trainer
+        opt = tr._optimizer
+        opt.rescale_grad = rescale = 1.0 / bs
+        opt.num_update += 1
+        clip = float("nan") if opt.clip_gradient is None else opt.clip_gradient
+        pvals = [p.data(dev) for p in e.params]
+        weights, states, rows = [], [], []
+        lr, wd = opt.lr, opt.wd
+        for p, i in zip(e.upd, e.tindex):
+            w = p.data(dev)
+            st = tr._state((i, dev), w)
+            st["t"] += 1
+            w._version += 1
+            rows.append((lr * p.lr_mult, wd * p.wd_mult, st["t"], rescale, 0.0, clip))
+            weights.append(w)
+            states.append(st)
+        hp = np.array(rows or [(0.0,) * _HP], np.float64)
+        loss = NDArray(*e.prog.out_specs[0], dev)
+        side_nd = [p.data(dev) for p in e.side]
+        n_tok = len(e.upd)
+        fn = e.prog.fn
+        rs = None
+        reads = [data._var, label._var]
+        upd_ids = {id(w) for w in weights}
+        reads += [a._var for a in pvals if id(a) not in upd_ids]
+        writes = [loss._var] + [w._var for w in weights] + [st["var"] for st in states]
+        writes += [s._var for s in side_nd if id(s) not in upd_ids]
+        if e.random:
+            from .. import random as _random
+            rs = _random._state
+            reads.append(rs.var)
+            writes.append(rs.var)
+
+        owned = e.owned
+
+        def run():
+            e.opt, e.weights, e.states = opt, weights, states     # read by the update nodes
+            for k, w in enumerate(weights):
+                hp[k, 4] = 1.0 if owned(w) else 0.0
+            arrays = [data._data, label._data] + [a._data for a in pvals] + [hp]
+            res = fn(*arrays, _rng=rs.gen) if rs is not None else fn(*arrays)
+            loss._data = res[0]
+            for s, v in zip(side_nd, res[1 + n_tok:]):
+                s._data = v
+
+        meta = dict(e.cost) if _engine.get_engine().profiler is not None else None
+        _engine.push(run, reads, writes, dev, 0, "train_step", meta, pure=e.ckey)
+        return loss
+
+    # ------------------------------------------------------------------ introspection
+    def cache_info(self):
+        """Hits, misses, the reason of each miss and the number of cached programs."""
+        return self._cache.info()
+
+    @property
+    def last_program(self):
+        """The compiled Program of the last new signature (None before the first call)."""
+        return None if self._last is None else self._last.prog
+
+
+def _step_miss_reason(sig, known):
+    if not known:
+        return "first call"
+    (d, lab, req), (d0, lab0, req0) = sig, known[-1]
+    diffs = [f"data {a} -> {b}" for a, b in ((d0, d),) if a != b]
+    diffs += [f"label {a} -> {b}" for a, b in ((lab0, lab),) if a != b]
+    if req != req0:
+        diffs.append("grad_req of the trainer's parameters changed")
+    return "; ".join(diffs) or "new signature"
+
+
+def _allow_scratch(graph):
+    """Mark updates whose gradient is theirs alone (a planned intermediate read by nothing
+    else): the optimizer may use its buffer as scratch (``g *= lr; w -= g`` as by hand)."""
+    count = {}
+    for n in graph.nodes:
+        for s in n.inputs:
+            count[s.key()] = count.get(s.key(), 0) + 1
+    outs = {s.key() for s in graph.outputs}
+
+    def rw(node, ins):
+        if node.op is not _UPDATE:
+            return None
+        gs = ins[1]
+        prod = gs.node
+        ok = (prod.kind == "op" and prod.op.out_ok and len(prod.specs) == 1
+              and prod.op.name not in _VIEW_OPS and count.get(gs.key(), 0) == 1
+              and gs.key() not in outs)
+        attrs = dict(node.attrs, scratch=ok)
+        return Node("op", node.op, ins, attrs, node.specs, node.name).outputs()
+    from .ir import rebuild
+    return rebuild(graph, rw)

@@ -1,0 +1,192 @@
+"""hl.TrainStep: forward + loss + backward + optimizer update compiled into one program must
+give the Gluon loop's results (losses, parameters, optimizer state, BatchNorm statistics,
+Dropout masks), on both engines."""
+import numpy as np
+import pytest
+
+import hybridl as hl
+from hybridl import autograd, models, nd, nn
+
+
+def _params(net):
+    return {n: p.data().asnumpy().copy() for n, p in net.collect_params().items()}
+
+
+def _set(net, values):
+    for n, p in net.collect_params().items():
+        p.set_data(nd.array(values[n]))
+
+
+def _batches(n, shape, classes=10, batch=8, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((batch,) + shape).astype(np.float32),
+             rng.integers(0, classes, batch)) for _ in range(n)]
+
+
+def _run(net, init, optimizer, opt_params, batches, compiled, loss_fn=None, seed=3,
+         lr_schedule=None):
+    """Train from ``init`` on ``batches``; returns (losses, params, trainer)."""
+    _set(net, init)
+    loss_fn = loss_fn or hl.loss.SoftmaxCrossEntropyLoss()
+    trainer = hl.Trainer(net.collect_params(), optimizer, dict(opt_params))
+    step = hl.TrainStep(net, loss_fn, trainer) if compiled else None
+    hl.random.seed(seed)
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        if lr_schedule:
+            trainer.set_learning_rate(lr_schedule[i])
+        x, y = nd.array(x), nd.array(y)
+        if compiled:
+            loss = step(x, y)
+        else:
+            with autograd.record():
+                loss = loss_fn(net(x), y)
+            loss.backward()
+            trainer.step(x.shape[0])
+        losses.append(loss.asnumpy())
+    return np.array(losses), _params(net), trainer
+
+
+def _init(net, x):
+    net(nd.array(x))                      # finish deferred shapes
+    return _params(net)
+
+
+@pytest.mark.parametrize("optimizer,opt_params", [
+    ("sgd", {"learning_rate": 0.1}),
+    ("sgd", {"learning_rate": 0.05, "momentum": 0.9, "wd": 1e-3}),
+    ("sgd", {"learning_rate": 0.05, "momentum": 0.9, "nesterov": True, "clip_gradient": 0.01}),
+    ("adam", {"learning_rate": 1e-3, "wd": 1e-4}),
+    ("adamw", {"learning_rate": 1e-3, "wd": 1e-2}),
+])
+@pytest.mark.parametrize("engine", ["threaded", "naive"])
+def test_train_step_equals_the_loop(optimizer, opt_params, engine):
+    prev = hl.engine.get_engine()
+    hl.engine.set_engine(engine)
+    try:
+        net = models.mlp(hidden=(16, 12))
+        net.initialize()
+        batches = _batches(5, (6,))
+        init = _init(net, batches[0][0])
+        ref = _run(net, init, optimizer, opt_params, batches, False)
+        got = _run(net, init, optimizer, opt_params, batches, True)
+    finally:
+        hl.engine.set_engine(prev)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-5, atol=1e-7)
+    for n in ref[1]:
+        assert not np.allclose(ref[1][n], init[n]), n          # training changed every weight
+        np.testing.assert_allclose(got[1][n], ref[1][n], rtol=1e-5, atol=1e-7, err_msg=n)
+    # the optimizer state is the trainer's: same update counts and moments
+    for key, st in ref[2]._states.items():
+        st2 = got[2]._states[key]
+        assert st2["t"] == st["t"] == 5
+        for name, a in st["arrays"].items():
+            np.testing.assert_allclose(st2["arrays"][name], a, rtol=1e-5, atol=1e-7)
+
+
+def test_train_step_lenet_learning_rate_schedule_and_lr_mult():
+    net = models.lenet(10, input_size=12)
+    net.initialize()
+    batches = _batches(3, (1, 12, 12), batch=4)
+    init = _init(net, batches[0][0])
+    list(net.collect_params().values())[0].lr_mult = 0.5
+    sched = [0.1, 0.02, 0.3]
+    ref = _run(net, init, "sgd", {"learning_rate": 0.1, "momentum": 0.5}, batches, False,
+               lr_schedule=sched)
+    got = _run(net, init, "sgd", {"learning_rate": 0.1, "momentum": 0.5}, batches, True,
+               lr_schedule=sched)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-5, atol=1e-6)
+    for n in ref[1]:
+        np.testing.assert_allclose(got[1][n], ref[1][n], rtol=1e-5, atol=1e-6, err_msg=n)
+
+
+def test_train_step_batchnorm_statistics_and_dropout_masks():
+    net = nn.HybridSequential()
+    net.add(nn.Dense(16), nn.BatchNorm(), nn.Activation("relu"), nn.Dropout(0.5), nn.Dense(4))
+    net.initialize()
+    batches = _batches(4, (5,), classes=4)
+    init = _init(net, batches[0][0])
+    ref = _run(net, init, "sgd", {"learning_rate": 0.1}, batches, False)
+    got = _run(net, init, "sgd", {"learning_rate": 0.1}, batches, True)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-5, atol=1e-6)
+    for n in ref[1]:
+        np.testing.assert_allclose(got[1][n], ref[1][n], rtol=1e-5, atol=1e-6, err_msg=n)
+    stats = [n for n in ref[1] if "running" in n]
+    assert stats and all(not np.allclose(ref[1][n], init[n]) for n in stats)
+    # another seed draws other masks: the losses differ, so the masks were really used
+    other = _run(net, init, "sgd", {"learning_rate": 0.1}, batches, True, seed=4)
+    assert not np.allclose(other[0], got[0])
+
+
+def test_train_step_compiles_one_program_with_updates_inside():
+    net = models.mlp(hidden=(32, 16))
+    net.initialize()
+    trainer = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+    step = hl.TrainStep(net, hl.loss.SoftmaxCrossEntropyLoss(), trainer)
+    x, y = nd.array(np.ones((4, 20), np.float32)), nd.array(np.arange(4))
+    step(x, y)                    # the first call also finishes the deferred initialization
+    hl.waitall()
+    with hl.profiler.profile() as prof:
+        step(x, y)
+        hl.waitall()
+    names = [e.name for e in prof.events]
+    assert names.count("train_step") == 1 and len(names) == 1, names
+    prog = step.last_program
+    # plain SGD: each weight's gradient GEMM and its update are one GEMM with accumulation
+    assert prog.graph.count("gemm_update") == 3 and prog.graph.count("optimizer_update") == 3
+    assert prog.graph.count("matmul") == 2          # only the data gradients of layers 2, 3
+    plan = prog.memory_plan
+    assert plan.planned_bytes < plan.naive_bytes
+    # each update runs right after its gradient: the last layer's weights are updated before
+    # the first layer's gradient is computed (so gradient buffers are reused)
+    order = [n.name for n in prog.graph.op_nodes()]
+    first_update = min(i for i, n in enumerate(order) if n.startswith("update"))
+    assert order[-1].startswith("update")
+    assert first_update < len(order) - 6
+    # a second shape: a second program, with its reason; same shape again: a hit
+    step(nd.array(np.ones((2, 20), np.float32)), nd.array(np.arange(2)))
+    step(x, y)
+    info = step.cache_info()
+    assert (info.misses, info.hits, info.programs) == (2, 2, 2)
+    assert info.reasons[0] == "first call" and "(4, 20)" in info.reasons[1]
+
+
+def test_train_step_keeps_earlier_views_and_copies():
+    net = models.mlp(hidden=(8,))
+    net.initialize()
+    x, y = nd.array(np.ones((4, 5), np.float32)), nd.array(np.arange(4))
+    net(x)
+    w = net.collect_params()[list(net.collect_params())[0]]
+    view = w.data().reshape((-1,))            # an NDArray that may share the weight's buffer
+    before = view.asnumpy().copy()
+    trainer = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 1.0})
+    step = hl.TrainStep(net, hl.loss.SoftmaxCrossEntropyLoss(), trainer)
+    step(x, y)
+    step(x, y)
+    np.testing.assert_array_equal(view.asnumpy(), before)
+    assert not np.allclose(w.data().asnumpy().reshape(-1), before)
+
+
+def test_train_step_bad_input():
+    net = models.mlp(hidden=(8,))
+    net.initialize()
+    lf = hl.loss.SoftmaxCrossEntropyLoss()
+    with pytest.raises(TypeError, match="trainer"):
+        hl.TrainStep(net, lf, "sgd")
+    with pytest.raises(ValueError, match="kvstore"):
+        hl.TrainStep(net, lf, hl.Trainer(net.collect_params(), "sgd", kvstore="local"))
+    trainer = hl.Trainer(net.collect_params(), "sgd")
+    with pytest.raises(ValueError, match="unknown pass"):
+        hl.TrainStep(net, lf, trainer, passes=["nope"])
+    step = hl.TrainStep(net, lf, trainer)
+    x, y = nd.array(np.ones((4, 5), np.float32)), nd.array(np.arange(4))
+    with pytest.raises(TypeError, match="data, label"):
+        step(np.ones((4, 5)), y)
+    with pytest.raises(ValueError, match="batch_size"):
+        step(x, y, batch_size=0)
+    with pytest.raises(ValueError, match="label"):
+        step(x, y.copyto(hl.cpu(1)))
+    for p in net.collect_params().values():
+        p.grad_req = "add"
+    with pytest.raises(ValueError, match="grad_req='add'"):
+        step(x, y)
