@@ -1,6 +1,6 @@
 """Multi-process (MPI) benchmark: data-parallel weak scaling, allreduce latency and bandwidth.
 
-    python benchmarks/distributed.py [--quick] [--bind core|none] [--json out.json]
+    python benchmarks/distributed.py [--quick] [--bind core|none] [--batch 256 ...] [--json out.json]
 
 Needs mpi4py and mpiexec (``pip install 'hybridl[mpi]'``). The script is a driver: it runs
 itself under ``mpiexec -n 1`` and ``-n 2`` (worker mode) and prints the figures.
@@ -11,7 +11,10 @@ itself under ``mpiexec -n 1`` and ``-n 2`` (worker mode) and prints the figures.
    ``hybridl.ops._blas.set_budget(1)``) and, by default, every rank pinned to its own core
    (``--bind core``: ``mpiexec -bind-to core``) so that N ranks use N cores. Throughput = global
    samples/s; weak-scaling efficiency = throughput(N ranks) / (N x throughput(1 rank)); 100%
-   means communication is free (fully hidden behind compute or negligible).
+   means communication is free (fully hidden behind compute or negligible). ``--batch B ...``
+   ALSO reports the MLP at other per-rank batch sizes (after the default 64-sample figures,
+   labelled ``mlp@B``): the allreduce per step is the same 2 MB whatever the batch, so a larger
+   batch shows how much of the default figure's loss is that fixed communication cost.
 2. Allreduce (sum, float32) over 2 ranks vs message size: latency (median time of one call)
    and bus bandwidth ``2 (n-1)/n x bytes / time`` (the traffic each rank sends in a ring
    allreduce; NCCL-tests' definition), for mpi4py's ``Allreduce`` on NumPy arrays (the MPI
@@ -57,7 +60,7 @@ def _worker_train(args):
         net = models.lenet(10, input_size=28)
     net.initialize()
     rng = np.random.default_rng(rank)
-    B = PER_RANK_BATCH
+    B = args.batch_size
     xs = [hl.nd.array(rng.standard_normal((B, 1, 28, 28)).astype(np.float32)) for _ in range(4)]
     ys = [hl.nd.array(rng.integers(0, 10, B).astype(np.float32)) for _ in range(4)]
     with autograd.predict_mode():
@@ -178,6 +181,10 @@ def main():
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3, help="(1 rank, 2 ranks) pairs (default 3)")
     p.add_argument("--sizes", type=int, nargs="*", default=None)
+    p.add_argument("--batch", type=int, nargs="*", default=[],
+                   help="also report the MLP at these per-rank batch sizes (extra rows 'mlp@B'; "
+                        f"the default figures stay at {PER_RANK_BATCH} per rank)")
+    p.add_argument("--batch-size", type=int, default=PER_RANK_BATCH, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None)
     p.add_argument("--bind", default="core", choices=("core", "none"),
                    help="core (default): every rank pinned to its own core (mpiexec -bind-to "
@@ -211,23 +218,27 @@ def main():
           f"{trials} trials per process, {rounds} rounds of (1 rank, 2 ranks) back to back; "
           f"samples/s: median over rounds [min-max]; efficiency: median of the rounds' "
           f"paired ratios (the VM's speed drifts; a pair measured together cancels most of it)")
-    print(f"{'model':<7}{'ranks':>6}{'samples/s':>12}{'range':>20}{'efficiency':>12}  per round")
-    for model in ("mlp", "lenet"):
+    print(f"{'model':<9}{'ranks':>4}{'samples/s':>12}{'range':>20}{'efficiency':>12}  per round")
+    runs = [("mlp", PER_RANK_BATCH), ("lenet", PER_RANK_BATCH)]
+    runs += [("mlp", b) for b in args.batch if b != PER_RANK_BATCH]
+    for model, batch in runs:
         meds = {1: [], 2: []}
+        label = model if batch == PER_RANK_BATCH else f"{model}@{batch}"
         for _ in range(rounds):
             for n in (1, 2):
                 d = _run(mpiexec, n, ["train", "--model", model, "--steps", str(steps),
-                                      "--trials", str(trials)])
+                                      "--trials", str(trials), "--batch-size", str(batch)])
                 meds[n].append(statistics.median(d["samples_per_s"]))
         effs = [b / (2 * a) for a, b in zip(meds[1], meds[2])]
         for n in (1, 2):
             med = statistics.median(meds[n])
             eff = 1.0 if n == 1 else statistics.median(effs)
-            report["training"].append({"model": model, "ranks": n, "samples_per_s": med,
+            report["training"].append({"model": model, "batch_per_rank": batch, "ranks": n,
+                                       "samples_per_s": med,
                                        "min": min(meds[n]), "max": max(meds[n]), "efficiency": eff,
                                        **({"efficiency_per_round": effs} if n == 2 else {})})
             per = "" if n == 1 else "  " + " ".join(f"{e * 100:.0f}%" for e in effs)
-            print(f"{model:<7}{n:>6}{med:>12.0f}{f'[{min(meds[n]):.0f}-{max(meds[n]):.0f}]':>20}"
+            print(f"{label:<9}{n:>4}{med:>12.0f}{f'[{min(meds[n]):.0f}-{max(meds[n]):.0f}]':>20}"
                   f"{eff * 100:>11.0f}%{per}")
 
     sizes = [4 * 4 ** i for i in range(0, 13)]          # 4 B .. 64 MB
