@@ -132,8 +132,10 @@ def test_train_step_compiles_one_program_with_updates_inside():
     names = [e.name for e in prof.events]
     assert names.count("train_step") == 1 and len(names) == 1, names
     prog = step.last_program
-    # plain SGD: each weight's gradient GEMM and its update are one GEMM with accumulation
-    assert prog.graph.count("gemm_update") == 3 and prog.graph.count("optimizer_update") == 3
+    # plain SGD: each weight's (and bias's) gradient and its update are one GEMM with
+    # accumulation; the loss and its gradient one node
+    assert prog.graph.count("gemm_update") == 6 and prog.graph.count("optimizer_update") == 0
+    assert prog.graph.count("softmax_cross_entropy_with_grad") == 1
     assert prog.graph.count("matmul") == 2          # only the data gradients of layers 2, 3
     plan = prog.memory_plan
     assert plan.planned_bytes < plan.naive_bytes
@@ -190,3 +192,30 @@ def test_train_step_bad_input():
         p.grad_req = "add"
     with pytest.raises(ValueError, match="grad_req='add'"):
         step(x, y)
+
+
+def test_train_step_return_outputs_and_dropout_before_batchnorm():
+    # the side effect (running statistics) and the returned outputs come from the same
+    # forward as the loss: one dropout mask, not one per use
+    net = nn.HybridSequential()
+    net.add(nn.Dense(16), nn.Dropout(0.5), nn.BatchNorm(), nn.Dense(4))
+    net.initialize()
+    batches = _batches(3, (5,), classes=4)
+    init = _init(net, batches[0][0])
+    ref = _run(net, init, "sgd", {"learning_rate": 0.1}, batches, False)
+    _set(net, init)
+    lf = hl.loss.SoftmaxCrossEntropyLoss()
+    trainer = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+    step = hl.TrainStep(net, lf, trainer, return_outputs=True)
+    hl.random.seed(3)
+    for x, y in batches:
+        loss, out = step(nd.array(x), nd.array(y))
+        assert out.shape == (8, 4)
+    got = _params(net)
+    for n in ref[1]:
+        np.testing.assert_allclose(got[n], ref[1][n], rtol=1e-5, atol=1e-6, err_msg=n)
+    # the outputs are the logits the loss was computed from
+    z = out.asnumpy().astype(np.float64)
+    lse = np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1)
+    np.testing.assert_allclose(loss.asnumpy(), lse - z[np.arange(8), batches[-1][1]], rtol=1e-5)
+    assert step.last_program.graph.count("dropout") == 1

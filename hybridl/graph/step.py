@@ -27,7 +27,6 @@ Adam moments, update counts; ``trainer.save_states`` works), ``trainer.set_learn
 ``lr_mult``/``wd_mult``, BatchNorm running statistics, Dropout drawing from ``hl.random`` in
 the same order. Results equal the loop's (tests: float32, rtol 1e-5).
 """
-import math
 import warnings
 
 import numpy as np
@@ -57,8 +56,8 @@ def _update_kernel(w, g, hp, *deps, slot, step, scratch, out=None):
     every other reader of ``w``. Returns a 0-d token (the node's value)."""
     lr, wd, t, rescale, owned, clip = hp[slot]
     holder = step.weights[slot]
-    res = step.opt.step_kernel(w, g, step.states[slot]["arrays"], float(lr), float(wd), int(t),
-                                float(rescale), None if math.isnan(clip) else float(clip),
+    res = step.opt.step_kernel(w, g, step.states[slot]["arrays"], lr, wd, int(t), rescale,
+                                None if clip != clip else clip,         # nan: no clipping
                                 out=w if owned else None, scratch=g if scratch else None)
     if res is not w:
         holder._data = res
@@ -78,7 +77,7 @@ _UPDATE = Op("optimizer_update", _update_kernel, _update_infer, None, cost=_upda
              differentiable=False)
 
 
-def _gemm_update_kernel(w, g, x, hp, *deps, slot, step, out=None):
+def _gemm_update_kernel(w, g, x, hp, *deps, slot, step, bias=False, out=None):
     """The weight gradient ``g.T @ x`` and its update in one: when the optimizer's update is
     ``w = beta w + alpha grad`` (:meth:`~hybridl.optim.Optimizer.gemm_coefficients`: plain
     SGD) and ``w`` may be written in place, ONE GEMM with accumulation (BLAS ``?gemm``'s
@@ -86,16 +85,17 @@ def _gemm_update_kernel(w, g, x, hp, *deps, slot, step, out=None):
     and no gradient is stored; otherwise the gradient is computed and the optimizer's own
     kernel applies it."""
     lr, wd, t, rescale, owned, clip = hp[slot]
-    clip = None if math.isnan(clip) else float(clip)
-    coef = step.opt.gemm_coefficients(float(lr), float(wd), float(rescale), clip) if owned else None
-    if coef is not None and _blas.gemm_tn_accumulate(coef[0], g, x, coef[1], w):
+    coef = (step.opt.gemm_coefficients(lr, wd, rescale, None if clip != clip else clip)
+            if owned else None)
+    c = w.reshape(1, -1) if bias else w          # a bias (u,): its gradient is ones.T @ x
+    if coef is not None and _blas.gemm_tn_accumulate(coef[0], g, x, coef[1], c):
         return _TOKEN
     _blas.for_gemm()
-    grad = np.matmul(g.T, x)
+    grad = np.matmul(g.T, x).reshape(w.shape)
     return _update_kernel(w, grad, hp, slot=slot, step=step, scratch=True)
 
 
-def _gemm_update_infer(w, g, x, hp, *deps, slot, step):
+def _gemm_update_infer(w, g, x, hp, *deps, slot, step, bias=False):
     return [((), np.dtype(np.float32))]
 
 
@@ -111,7 +111,8 @@ _UPDATES = (_UPDATE, _GEMM_UPDATE)
 
 def _fuse_gemm_updates(graph):
     """update(w, matmul(transpose(g), x)) -> gemm_update(w, g, x): a weight gradient read by
-    its update only (2-D, same float dtype) is never stored."""
+    its update only (2-D, same float dtype) is never stored; likewise a bias gradient
+    update(b, sum(x, axis=0)) -> gemm_update(b, ones, x) (the column sums as ones.T @ x)."""
     count = {}
     for n in graph.nodes:
         for s in n.inputs:
@@ -123,6 +124,16 @@ def _fuse_gemm_updates(graph):
             return None
         w, gs, hp = ins[:3]
         mm = gs.node
+        if (mm.kind == "op" and mm.op.name == "sum" and count.get(gs.key(), 0) == 1
+                and gs.key() not in outs and tuple(mm.attrs.get("axis", ())) == (0,)
+                and not mm.attrs.get("keepdims") and len(mm.inputs[0].shape) == 2
+                and len(w.shape) == 1 and w.shape[0] == mm.inputs[0].shape[1]
+                and w.dtype == mm.inputs[0].dtype and w.dtype.kind == "f"):
+            x = mm.inputs[0]
+            ones = const(np.ones((x.shape[0], 1), w.dtype))
+            attrs = {"slot": node.attrs["slot"], "step": node.attrs["step"], "bias": True}
+            return Node("op", _GEMM_UPDATE, [w, ones, x, hp], attrs, node.specs,
+                        node.name).outputs()
         if (mm.kind != "op" or mm.op.name != "matmul" or count.get(gs.key(), 0) != 1
                 or gs.key() in outs):
             return None
@@ -141,11 +152,46 @@ def _fuse_gemm_updates(graph):
     return rebuild(graph, rw)
 
 
-def _substitute(graph, inputs, sub):
-    """Copy ``graph`` with leaf values replaced by ``sub`` (key -> Symbol); ``inputs``: the
-    new program inputs."""
-    mapping = {}
+def _fuse_loss_and_grad(graph):
+    """softmax_cross_entropy(z, y) and softmax_cross_entropy_grad(d, z, y) -> one node making
+    both (labels checked and softmax computed once), when the loss is only a program output."""
+    from ..ops.nn import SCE, SCE_GRAD, SCE_WITH_GRAD
+    used = set()
     for n in graph.nodes:
+        for s in n.inputs:
+            used.add(s.key())
+    losses = {tuple(s.key() for s in n.inputs): n for n in graph.nodes
+              if n.kind == "op" and n.op is SCE and n.outputs()[0].key() not in used}
+    copies, fused = {}, {}
+
+    def rw(node, ins):
+        if node.op is SCE and node.id in {a.id for a in losses.values()}:
+            nn = Node("op", node.op, ins, node.attrs, node.specs, node.name)
+            copies[node.id] = nn
+            return nn.outputs()
+        if node.op is SCE_GRAD:
+            a = losses.get(tuple(s.key() for s in node.inputs[1:]))
+            if a is not None and a.id in copies:
+                d = node.inputs[0]
+                unit = (d.node.kind == "const" and d.node.value.size > 0
+                        and bool(np.all(d.node.value == 1)))
+                f = Node("op", SCE_WITH_GRAD, ins, {"unit": unit},
+                         copies[a.id].specs + node.specs, "softmax_cross_entropy_with_grad")
+                fused[copies[a.id].id] = f.out(0)
+                return [f.out(1)]
+        return None
+    from .ir import rebuild
+    g = rebuild(graph, rw)
+    outs = [fused.get(s.node.id, s) if s.index == 0 else s for s in g.outputs]
+    return Graph(g.inputs, outs)
+
+
+def _substitute(graph, inputs, sub, extra=()):
+    """Copy ``graph`` with leaf values replaced by ``sub`` (key -> Symbol); ``inputs``: the
+    new program inputs. Returns the new Graph and the copies of the ``extra`` Symbols (values
+    of ``graph`` that are not among its outputs, e.g. side effects)."""
+    mapping = {}
+    for n in Graph(graph.inputs, list(graph.outputs) + list(extra)).nodes:
         if n.kind != "op":
             for i in range(len(n.specs)):
                 mapping[(n.id, i)] = sub.get((n.id, i), Symbol(n, i))
@@ -153,7 +199,8 @@ def _substitute(graph, inputs, sub):
         nn = Node("op", n.op, [mapping[s.key()] for s in n.inputs], n.attrs, n.specs, n.name)
         for i, o in enumerate(nn.outputs()):
             mapping[(n.id, i)] = o
-    return Graph(inputs, [mapping[s.key()] for s in graph.outputs])
+    return (Graph(inputs, [mapping[s.key()] for s in graph.outputs]),
+            [mapping[s.key()] for s in extra])
 
 
 def _schedule_updates(graph):
@@ -244,9 +291,12 @@ class TrainStep:
         trainer (Trainer): its optimizer, hyper-parameters and state are used and updated.
         passes: compiler passes (names), default :data:`hybridl.graph.DEFAULT_PASSES`.
 
+        return_outputs (bool): also return the net's outputs (e.g. for accuracy).
+
     Call ``step(data, label, batch_size=None)``: data and label NDArrays on one device;
     ``batch_size`` (default ``data.shape[0]``) scales the gradients by 1 / batch_size as
-    ``trainer.step(batch_size)``. Returns the per-sample losses (an NDArray, asynchronous).
+    ``trainer.step(batch_size)``. Returns the per-sample losses (an NDArray, asynchronous),
+    or ``(losses, outputs)`` with ``return_outputs``.
     One program per signature (shapes, dtypes, device); ``cache_info()`` as hybridized blocks.
     ``last_program`` is the compiled :class:`~hybridl.graph.program.Program` (``.source``,
     ``.memory_plan``).
@@ -258,7 +308,7 @@ class TrainStep:
             different devices, or ``batch_size`` <= 0.
     """
 
-    def __init__(self, net, loss_fn, trainer, passes=None):
+    def __init__(self, net, loss_fn, trainer, passes=None, return_outputs=False):
         from ..optim.trainer import Trainer
         if not isinstance(trainer, Trainer):
             raise TypeError(f"trainer: expected an hl.Trainer, got {type(trainer).__name__}")
@@ -274,19 +324,24 @@ class TrainStep:
                 raise ValueError(f"passes: unknown pass {p!r}; known: {sorted(PASSES)}")
         self._cache = _Cache()
         self._last = None
+        self._return_outputs = bool(return_outputs)
 
     # ------------------------------------------------------------------ building
     def _build(self, data, label):
         dev = data.device
 
+        want_out = self._return_outputs
+
         def fn(x, y):
-            return self.loss_fn(self.net(x), y)
+            out = self.net(x)
+            loss = self.loss_fn(out, y)
+            if isinstance(loss, (tuple, list)):
+                raise ValueError("loss_fn: expected one array of per-sample losses, got several")
+            return (loss, out) if want_out else loss
 
         with autograd.train_mode():
-            inputs, outs, single, ctx = trace_graph(fn, [data, label])
-        if not single:
-            raise ValueError("loss_fn: expected one array of per-sample losses, got several")
-        loss = outs[0]
+            inputs, outs, _, ctx = trace_graph(fn, [data, label])
+        loss, net_out = outs[0], (outs[1] if want_out else None)
         if loss.dtype.kind != "f":
             raise ValueError(f"loss_fn: expected a float loss, got dtype {loss.dtype}")
         params = ctx.params
@@ -312,7 +367,9 @@ class TrainStep:
         # the head gradient of loss.backward() is ones: a constant the passes can fold
         ones = const(np.ones(loss.shape, loss.dtype))
         hp = Node("input", specs=[((max(len(wrt), 1), _HP), np.float64)], name="hyperparams").out()
-        g = _substitute(joint, inputs + [hp], {cots[0].key(): ones})
+        extra = side_vals + ([net_out] if self._return_outputs else [])
+        g, extra = _substitute(joint, inputs + [hp], {cots[0].key(): ones}, extra)
+        side_vals, out_vals = extra[:len(side_vals)], extra[len(side_vals):]
         grads = g.outputs[1:]
         e = _Entry()
         upd, tokens = [], []
@@ -323,12 +380,13 @@ class TrainStep:
                         {"slot": k, "step": e, "scratch": False}, [((), np.float32)],
                         f"update {p.name}")
             tokens.append(node.out())
-        graph = Graph(inputs + [hp], [g.outputs[0]] + tokens + side_vals)
+        graph = Graph(inputs + [hp], [g.outputs[0]] + tokens + side_vals + out_vals)
         # every pass but the memory plan, then the updates' order, then the plan
         planner = PASSES["plan_memory"]
         plan = any(p == "plan_memory" or p is planner for p in self._passes)
         graph = run_passes(graph, [p for p in self._passes if p != "plan_memory" and p is not planner])
-        graph = _schedule_updates(_allow_scratch(_fuse_gemm_updates(graph)))
+        graph = _fuse_gemm_updates(_fuse_loss_and_grad(graph))
+        graph = _schedule_updates(_allow_scratch(graph))
         prog = Program(graph, ["plan_memory"] if plan else [], "train_step")
         e.prog, e.params, e.upd, e.side = prog, params, upd, side_params
         e.tindex = [index[id(p)] for p in upd]
@@ -382,11 +440,14 @@ class TrainStep:
             st = tr._state((i, dev), w)
             st["t"] += 1
             w._version += 1
-            rows.append((lr * p.lr_mult, wd * p.wd_mult, st["t"], rescale, 0.0, clip))
+            rows.append([lr * p.lr_mult, wd * p.wd_mult, st["t"], rescale, 0.0, clip])
             weights.append(w)
             states.append(st)
-        hp = np.array(rows or [(0.0,) * _HP], np.float64)
+        # the program's hyperparams input: its rows as Python lists (the update nodes only
+        # index it; Python floats unpack faster than a NumPy row)
+        hp = rows or [[0.0] * _HP]
         loss = NDArray(*e.prog.out_specs[0], dev)
+        out = NDArray(*e.prog.out_specs[-1], dev) if self._return_outputs else None
         side_nd = [p.data(dev) for p in e.side]
         n_tok = len(e.upd)
         fn = e.prog.fn
@@ -395,6 +456,8 @@ class TrainStep:
         upd_ids = {id(w) for w in weights}
         reads += [a._var for a in pvals if id(a) not in upd_ids]
         writes = [loss._var] + [w._var for w in weights] + [st["var"] for st in states]
+        if out is not None:
+            writes.append(out._var)
         writes += [s._var for s in side_nd if id(s) not in upd_ids]
         if e.random:
             from .. import random as _random
@@ -407,16 +470,18 @@ class TrainStep:
         def run():
             e.opt, e.weights, e.states = opt, weights, states     # read by the update nodes
             for k, w in enumerate(weights):
-                hp[k, 4] = 1.0 if owned(w) else 0.0
+                hp[k][4] = 1.0 if owned(w) else 0.0
             arrays = [data._data, label._data] + [a._data for a in pvals] + [hp]
             res = fn(*arrays, _rng=rs.gen) if rs is not None else fn(*arrays)
             loss._data = res[0]
             for s, v in zip(side_nd, res[1 + n_tok:]):
                 s._data = v
+            if out is not None:
+                out._data = res[-1]
 
         meta = dict(e.cost) if _engine.get_engine().profiler is not None else None
         _engine.push(run, reads, writes, dev, 0, "train_step", meta, pure=e.ckey)
-        return loss
+        return (loss, out) if out is not None else loss
 
     # ------------------------------------------------------------------ introspection
     def cache_info(self):

@@ -11,7 +11,8 @@ import numpy as np
 
 from ._check import check_float, check_ndim, check_out
 
-__all__ = ["softmax", "log_softmax", "softmax_cross_entropy", "softmax_cross_entropy_grad"]
+__all__ = ["softmax", "log_softmax", "softmax_cross_entropy", "softmax_cross_entropy_grad",
+           "softmax_cross_entropy_with_grad"]
 
 
 def _axis(x, axis):
@@ -136,3 +137,40 @@ def softmax_cross_entropy_grad(dloss, logits, labels, *, out=None):
     p[np.arange(N), labels] -= 1
     p *= dloss.astype(logits.dtype, copy=False)[..., None] if dloss.ndim else logits.dtype.type(dloss)
     return p
+
+
+def softmax_cross_entropy_with_grad(dloss, logits, labels, *, unit=False):
+    """``softmax_cross_entropy(logits, labels)`` and its gradient
+    ``softmax_cross_entropy_grad(dloss, logits, labels)`` at once: the labels are checked and
+    the softmax computed once (same operations, same results as the two functions).
+
+    Parameters
+    ----------
+    dloss : ndarray (N,) or scalar, float.  logits : ndarray (N, K), float32/float64.
+    labels : ndarray (N,), integer in [0, K).
+    unit : bool -- ``dloss`` is known to be all ones (the multiplication is skipped).
+
+    Returns
+    -------
+    (loss (N,), dlogits (N, K)), dtype of logits.
+
+    Raises ValueError as ``softmax_cross_entropy``.
+    """
+    logits, labels = _ce_check(logits, labels)
+    N = logits.shape[0]
+    m = logits.max(axis=1)
+    p = np.subtract(logits, m[:, None])
+    np.exp(p, out=p)
+    s = p.sum(axis=1)
+    ar = np.arange(N)
+    loss = np.log(s)
+    loss += m
+    loss -= logits[ar, labels]
+    p /= s[:, None]
+    p[ar, labels] -= 1
+    if not unit:
+        dloss = np.asarray(dloss)
+        if dloss.shape not in ((N,), ()):
+            raise ValueError(f"dloss: expected shape ({N},) (one per sample), got {dloss.shape}")
+        p *= dloss.astype(logits.dtype, copy=False)[..., None] if dloss.ndim else logits.dtype.type(dloss)
+    return loss, p

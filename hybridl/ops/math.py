@@ -588,6 +588,19 @@ def _red_cost(in_shapes, out_shapes, itemsize, **a):
 
 SUM = register("sum", lambda x, axis, keepdims, out=None: np.asarray(_sum_kernel(x, axis, keepdims, out)),
                _red_infer("sum"), _g_sum, _red_cost)
+
+
+def _sum_emit(out, ins, attrs, in_specs, out_spec, buf):
+    """Inline ``np.add.reduce`` (what ``np.sum`` calls, without its wrapper) for a float input
+    whose result is an array (not a 0-d scalar without a buffer)."""
+    if in_specs[0][1].kind != "f" or (not out_spec[0] and not buf):
+        return None
+    o = f", out={buf}" if buf else ""
+    return [f"{out} = np.add.reduce({ins[0]}, axis={attrs['axis']!r}, "
+            f"keepdims={attrs['keepdims']!r}{o})"], False
+
+
+SUM.emit = _sum_emit
 MEAN = register("mean", _mean_kernel, _red_infer("mean"), _g_mean, _red_cost)
 MAX = register("max", _wrap(np.max), _red_infer("max"), _g_maxred, _red_cost)
 MIN = register("min", _wrap(np.min), _red_infer("min"), _g_maxred, _red_cost)

@@ -72,6 +72,14 @@ SCE_GRAD = register("softmax_cross_entropy_grad",
                     lambda g, lg, lb: [(lg.shape, lg.dtype)])
 
 
+SCE_WITH_GRAD = register(
+    "softmax_cross_entropy_with_grad",
+    lambda g, lg, lb, unit=False: K.softmax_cross_entropy_with_grad(g, lg, lb, unit=unit),
+    lambda g, lg, lb, unit=False: [((lg.shape[0],), lg.dtype), (lg.shape, lg.dtype)],
+    n_out=2, differentiable=False,
+    cost=lambda i, o, s, **a: (7.0 * numel(i[1]), float(2 * numel(i[1]) * s)))
+
+
 def softmax_cross_entropy(logits, labels):
     """Per-sample cross-entropy of softmax(logits) against integer labels.
 
