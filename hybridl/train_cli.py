@@ -147,7 +147,8 @@ def cosine_lr(base_lr, total_steps):
 
 
 def fit(net, trainer, train_loader, test_loader, epochs, loss_fn=None, log=print,
-        progress=True, rank0=True, step_hook=None, batch_fn=None, lr_schedule=None):
+        progress=True, rank0=True, step_hook=None, batch_fn=None, lr_schedule=None,
+        compiled=False):
     """Train ``net`` for ``epochs``; returns a list of per-epoch dicts (loss, train_acc,
     test_acc, samples_per_s, seconds). Per-epoch loss is the mean per-sample loss.
 
@@ -155,9 +156,14 @@ def fit(net, trainer, train_loader, test_loader, epochs, loss_fn=None, log=print
     record/forward/backward of a batch (e.g. a pipeline's micro-batch schedule); the trainer
     step, the statistics and the printed lines stay the same. ``lr_schedule(step) -> lr``
     (e.g. :func:`cosine_lr`), when given, sets the learning rate before every step (``step``
-    counts from 0 over the whole run)."""
+    counts from 0 over the whole run). ``compiled=True`` runs each step as one
+    :class:`hybridl.TrainStep` program (forward, loss, backward and update; same results)."""
     from . import autograd, loss as L, nd
     loss_fn = loss_fn or L.SoftmaxCrossEntropyLoss()
+    train_step = None
+    if compiled:
+        from .graph import TrainStep
+        train_step = TrainStep(net, loss_fn, trainer, return_outputs=True)
     history = []
     step = 0
     for epoch in range(1, epochs + 1):
@@ -173,14 +179,17 @@ def fit(net, trainer, train_loader, test_loader, epochs, loss_fn=None, log=print
             if lr_schedule is not None:
                 trainer.set_learning_rate(lr_schedule(step))
             step += 1
-            if batch_fn is not None:
-                loss, out = batch_fn(x, y)
+            if train_step is not None:
+                loss, out = train_step(x, y)
             else:
-                with autograd.record():
-                    out = net(x)
-                    loss = loss_fn(out, y)
-                loss.backward()
-            trainer.step(x.shape[0])
+                if batch_fn is not None:
+                    loss, out = batch_fn(x, y)
+                else:
+                    with autograd.record():
+                        out = net(x)
+                        loss = loss_fn(out, y)
+                    loss.backward()
+                trainer.step(x.shape[0])
             sums.append((nd.sum(loss), nd.sum(nd.equal(nd.argmax(out, axis=1), y.astype("int64")))))
             n_seen += x.shape[0]
             if step_hook is not None:
@@ -299,12 +308,13 @@ def _train(args):
               f"{args.optimizer} lr {args.lr} ({args.lr_schedule}), device {devices[0]}"
               + (f" on each of {dist.size()} processes" if dist is not None and dist.size() > 1
                  else "")
-              + f", {'hybridized' if not args.no_hybridize else 'imperative'}, "
+              + f", {('hybridized' + ('' if dist is not None and dist.size() > 1 else ', compiled steps')) if not args.no_hybridize else 'imperative'}, "
               f"{_engine_name()} engine", flush=True)
     t0 = time.perf_counter()
     hist = fit(net, trainer, train_loader, test_loader, args.epochs,
                progress=not args.quiet and sys.stderr.isatty(), rank0=rank0,
-               lr_schedule=lr_schedule(args, len(train_loader)))
+               lr_schedule=lr_schedule(args, len(train_loader)),
+               compiled=not args.no_hybridize and trainer._kv_spec is None)
     total = time.perf_counter() - t0
     last = hist[-1]
     if args.save and rank0:
