@@ -5,8 +5,9 @@
    Targets: hybridized <= 1.2x NumPy by hand and <= 0.5x torch.jit.script.
 2. Training steps hybridized: see benchmarks/train_step.py (same workloads).
 3. Memory: planned peak / naive bytes of the joint forward+backward (training) programs of the
-   MLP and LeNet (target <= 0.5), and peak Python-heap memory (tracemalloc) of one training
-   step eager vs hybridized.
+   MLP and LeNet and of their whole training step (``hl.TrainStep``: with the SGD update, the
+   gradients are internal values) (target <= 0.5), and peak Python-heap memory (tracemalloc)
+   of one training step eager vs hybridized vs TrainStep.
 4. Compile time per model (target < 1 s for LeNet).
 
     python benchmarks/hybridize.py [--no-peers]
@@ -114,27 +115,37 @@ def memory():
               f"intermediates only (gradients/loss excluded): ratio {p.internal_ratio:.2f}; "
               f"{len(p.inplace)} in-place, compile {secs * 1e3:.0f} ms")
         peaks = {}
-        for mode in ("eager", "hybridized"):
+        for mode in ("eager", "hybridized", "TrainStep"):
             net2 = mk()
             if mode == "hybridized":
                 net2.hybridize()
             tr = hl.Trainer(net2.collect_params(), "sgd", {"learning_rate": 0.1})
             lf = hl.loss.SoftmaxCrossEntropyLoss()
+            compiled = hl.TrainStep(net2, lf, tr) if mode == "TrainStep" else None
 
             def step():
-                with autograd.record():
-                    loss = lf(net2(x), y)
-                loss.backward()
-                tr.step(b)
+                if compiled is not None:
+                    compiled(x, y)
+                else:
+                    with autograd.record():
+                        loss = lf(net2(x), y)
+                    loss.backward()
+                    tr.step(b)
                 hl.waitall()
             step()
             tracemalloc.start()
             step()
             peaks[mode] = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
+            if compiled is not None:
+                p = compiled.last_program.memory_plan
+                print(f"  {'':20s} whole step (hl.TrainStep: + SGD update, gradients inside): "
+                      f"naive {p.naive_bytes / 2**20:.2f} MiB, planned {p.planned_bytes / 2**20:.2f} "
+                      f"MiB, ratio {p.ratio:.2f} (target <= 0.5)")
         print(f"  {'':20s} tracemalloc peak per step: eager {peaks['eager'] / 2**20:.2f} MiB, "
               f"hybridized {peaks['hybridized'] / 2**20:.2f} MiB "
-              f"({peaks['hybridized'] / peaks['eager']:.2f}x)")
+              f"({peaks['hybridized'] / peaks['eager']:.2f}x), TrainStep "
+              f"{peaks['TrainStep'] / 2**20:.2f} MiB ({peaks['TrainStep'] / peaks['eager']:.2f}x)")
 
 
 def compile_times():
