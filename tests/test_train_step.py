@@ -132,9 +132,9 @@ def test_train_step_compiles_one_program_with_updates_inside():
     names = [e.name for e in prof.events]
     assert names.count("train_step") == 1 and len(names) == 1, names
     prog = step.last_program
-    # plain SGD: each weight's (and bias's) gradient and its update are one GEMM with
-    # accumulation; the loss and its gradient one node
-    assert prog.graph.count("gemm_update") == 6 and prog.graph.count("optimizer_update") == 0
+    # plain SGD: each weight's gradient and its update are one GEMM with accumulation; the
+    # loss and its gradient one node
+    assert prog.graph.count("gemm_update") == 3 and prog.graph.count("optimizer_update") == 3
     assert prog.graph.count("softmax_cross_entropy_with_grad") == 1
     assert prog.graph.count("matmul") == 2          # only the data gradients of layers 2, 3
     plan = prog.memory_plan
@@ -219,3 +219,172 @@ def test_train_step_return_outputs_and_dropout_before_batchnorm():
     lse = np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1)
     np.testing.assert_allclose(loss.asnumpy(), lse - z[np.arange(8), batches[-1][1]], rtol=1e-5)
     assert step.last_program.graph.count("dropout") == 1
+
+
+# ---------------------------------------------------------------------------- regressions
+# (found by trying to break it: weights read through views by other layers or by the update's
+# own GEMM, concurrent calls on one memory arena, outputs that are views of a weight, a
+# parameter frozen after the Trainer was made, unclear errors)
+
+
+class _WeightAsInput(nn.HybridBlock):
+    """Layer b reads a weight (a's, or its own) as data: the in-place updates must not let any
+    reader see a new value."""
+
+    def __init__(self, own):
+        super().__init__()
+        self.own = own
+        self.a = nn.Dense(8, in_units=8)
+        self.b = nn.Dense(8, in_units=8)
+        self.o = nn.Dense(10, in_units=8)
+
+    def forward(self, x):
+        src = self.b if self.own else self.a
+        h = self.b(nd.stop_gradient(src.weight.data()))
+        return self.o(self.a(x) @ h)
+
+
+@pytest.mark.parametrize("own", [False, True])
+@pytest.mark.parametrize("opt_params", [{"learning_rate": 0.5},
+                                        {"learning_rate": 0.5, "wd": 0.1},
+                                        {"learning_rate": 0.2, "momentum": 0.9}])
+def test_train_step_weight_read_as_data_by_a_layer(own, opt_params):
+    net = _WeightAsInput(own)
+    net.initialize(hl.init.Normal(0.3))
+    batches = _batches(3, (8,), batch=8)
+    init = _init(net, batches[0][0])
+    ref = _run(net, init, "sgd", opt_params, batches, False)
+    got = _run(net, init, "sgd", opt_params, batches, True)
+    for n in ref[1]:
+        np.testing.assert_allclose(got[1][n], ref[1][n], rtol=1e-5, atol=1e-6, err_msg=n)
+
+
+def test_train_step_concurrent_calls_of_a_frozen_net():
+    # nothing is trained: the calls write no common array and may run at once on several
+    # workers, on one program (one memory arena)
+    prev = hl.engine.get_engine().num_workers
+    hl.engine.set_num_workers(4)
+    try:
+        net = models.mlp(hidden=(64, 64))
+        net.initialize()
+        data = _batches(12, (30,), batch=32)
+        net(nd.array(data[0][0]))
+        for p in net.collect_params().values():
+            p.grad_req = "null"
+        lf = hl.loss.SoftmaxCrossEntropyLoss()
+        step = hl.TrainStep(net, lf, hl.Trainer(net.collect_params(), "sgd"))
+        ref = [lf(net(nd.array(x)), nd.array(y)).asnumpy() for x, y in data]
+        got = [step(nd.array(x), nd.array(y)) for x, y in data]
+        for g, r in zip(got, ref):
+            np.testing.assert_allclose(g.asnumpy(), r, rtol=1e-5)
+    finally:
+        hl.engine.set_num_workers(prev)
+
+
+def test_train_step_returned_outputs_keep_the_value_before_the_update():
+    class Prior(nn.HybridBlock):            # logits = a learned table: a view of the weight
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter("w", shape=(4, 10))
+
+        def forward(self, x):
+            return self.w.data().reshape((4, 10))
+
+    net = Prior()
+    net.initialize()
+    w0 = net.w.data().asnumpy().copy()
+    trainer = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.5})
+    step = hl.TrainStep(net, hl.loss.SoftmaxCrossEntropyLoss(), trainer, return_outputs=True)
+    loss, out = step(nd.array(np.zeros((4, 6), np.float32)), nd.array(np.array([1, 2, 3, 4])))
+    np.testing.assert_array_equal(out.asnumpy(), w0)
+    assert not np.allclose(net.w.data().asnumpy(), w0)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_parameter_frozen_after_the_trainer_is_made_is_not_updated(compiled):
+    net = models.mlp(hidden=(8,))
+    net.initialize()
+    batches = _batches(2, (5,))
+    _init(net, batches[0][0])
+    lf = hl.loss.SoftmaxCrossEntropyLoss()
+    trainer = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.5})
+    step = hl.TrainStep(net, lf, trainer)
+    first = list(net.collect_params().values())[0]
+    for i, (x, y) in enumerate(batches):
+        if i == 1:
+            first.grad_req = "null"
+            frozen = first.data().asnumpy().copy()
+        x, y = nd.array(x), nd.array(y)
+        if compiled:
+            step(x, y)
+        else:
+            with autograd.record():
+                loss = lf(net(x), y)
+            loss.backward()
+            trainer.step(8)
+    np.testing.assert_array_equal(first.data().asnumpy(), frozen)
+
+
+def test_train_step_errors_name_the_argument():
+    net = models.mlp(hidden=(8,))
+    net.initialize()
+    lf = hl.loss.SoftmaxCrossEntropyLoss()
+    trainer = hl.Trainer(net.collect_params(), "sgd")
+    with pytest.raises(TypeError, match="passes: expected a list"):
+        hl.TrainStep(net, lf, trainer, passes="plan_memory")
+    with pytest.raises(TypeError, match="passes: expected pass names"):
+        hl.TrainStep(net, lf, trainer, passes=[123])
+    x, y = nd.array(np.ones((4, 5), np.float32)), nd.array(np.arange(4))
+    with pytest.raises(ValueError, match="batch_size: expected a positive number, got '8'"):
+        hl.TrainStep(net, lf, trainer)(x, y, batch_size="8")
+    with pytest.raises(ValueError, match="batch_size: expected a positive number, got '8'"):
+        trainer.step("8")
+    with pytest.raises(ValueError, match="loss_fn: expected one array"):
+        hl.TrainStep(net, lambda out, lab: 1.0, trainer)(x, y)
+
+    class Two(nn.HybridBlock):
+        def __init__(self):
+            super().__init__()
+            self.d = nn.Dense(3, in_units=5)
+
+        def forward(self, x):
+            return self.d(x), x
+
+    two = Two()
+    two.initialize()
+    step = hl.TrainStep(two, lambda o, lab: lf(o[0], lab),
+                        hl.Trainer(two.collect_params(), "sgd"), return_outputs=True)
+    with pytest.raises(ValueError, match="return_outputs: the net returned tuple"):
+        step(x, y)
+
+    class Branchy(nn.Block):
+        def __init__(self):
+            super().__init__()
+            self.d = nn.Dense(3, in_units=5)
+
+        def forward(self, x):
+            return self.d(x) if float(x.sum().item()) > 0 else self.d(-x)
+
+    b = Branchy()
+    b.initialize()
+    with pytest.raises(hl.TracingError, match="record/backward/step loop"):
+        hl.TrainStep(b, lf, hl.Trainer(b.collect_params(), "sgd"))(x, y)
+
+
+def test_detach_inside_a_traced_forward():
+    class Detached(nn.HybridBlock):
+        def __init__(self):
+            super().__init__()
+            self.d = nn.Dense(3, in_units=5)
+
+        def forward(self, x):
+            return self.d(x) * self.d(x).detach()
+
+    net = Detached()
+    net.initialize()
+    batches = _batches(2, (5,), classes=3, batch=4)
+    init = _init(net, batches[0][0])
+    ref = _run(net, init, "sgd", {"learning_rate": 0.1}, batches, False)
+    got = _run(net, init, "sgd", {"learning_rate": 0.1}, batches, True)
+    for n in ref[1]:
+        np.testing.assert_allclose(got[1][n], ref[1][n], rtol=1e-5, atol=1e-6, err_msg=n)

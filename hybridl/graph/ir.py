@@ -164,6 +164,7 @@ def _copy_methods():
             continue
         if callable(val) or isinstance(val, property):
             setattr(Symbol, name, val)
+    Symbol.detach = lambda self: M.stop_gradient(self)
     Symbol.zeros_like = lambda self: M.zeros_like_op(self)
     Symbol.ones_like = lambda self: M.ones_like_op(self)
 

@@ -23,9 +23,10 @@ class Program:
     """A compiled graph.
 
     Attributes:
-        graph: the optimized Graph; source (str): generated Python; memory_plan: MemoryPlan or
-        None; op: the engine-level Op; in_specs / out_specs: lists of (shape, dtype);
-        compile_seconds (float).
+        graph: the optimized Graph; source (str): generated Python; fn: the generated function
+        (NumPy arrays in, a tuple of NumPy arrays out; calls are serialized when the program
+        has planned buffers); memory_plan: MemoryPlan or None; op: the engine-level Op;
+        in_specs / out_specs: lists of (shape, dtype); compile_seconds (float).
     """
 
     def __init__(self, graph, passes=None, name="program", grad=None):
@@ -52,6 +53,7 @@ class Program:
                                      f"{s} and dtype {d}, got {tuple(x.shape)} {x.dtype}")
             return out_specs
 
+        lock = None
         if self.memory_plan is not None and self.memory_plan.buffers:
             # the planned buffers are this program's scratch memory: one call at a time uses
             # them (two threads, or an inline call beside a worker, may run it at once)
@@ -61,12 +63,14 @@ class Program:
             def fn(*arrays, **kw):
                 with lock:
                     return plain(*arrays, **kw)
+            self.fn = fn
         if rnd:
             def kernel(*arrays, _rng=None):
                 return fn(*arrays, _rng=_rng)
-        elif n_out == 1:
-            def kernel(*arrays):
-                return fn(*arrays)[0]
+        elif n_out == 1 or lock is not None:
+            # the engine's kernel: the same code with the lock and the single result inside
+            # (one Python call per program call instead of three)
+            kernel = _variant(self.source, self._globals, lock, n_out == 1)
         else:
             kernel = fn
         flops, nbytes = _graph_cost(self.graph)
@@ -124,6 +128,22 @@ class Program:
 
     def __repr__(self):
         return f"Program({len(self.graph.op_nodes())} ops, {len(self.in_specs)} inputs, {len(self.out_specs)} outputs)"
+
+
+def _variant(source, glob, lock, single):
+    """Recompile a generated program as ``kernel`` with the body under ``with _lock:`` (when
+    ``lock``) and returning its single result unpacked (when ``single``)."""
+    lines = source.rstrip("\n").split("\n")
+    body, ret = lines[1:-1], lines[-1]
+    if single:
+        ret = ret.replace("return (", "return ", 1).rstrip(")").rstrip(",")
+    if lock is not None:
+        glob["_lock"] = lock
+        body = ["    with _lock:"] + ["    " + b for b in body]
+        ret = "    " + ret
+    src = "\n".join(["def kernel" + lines[0][len("def program"):]] + body + [ret]) + "\n"
+    exec(compile(src, "<hybridl program kernel>", "exec"), glob)  # noqa: S102 - our own code
+    return glob.pop("kernel")
 
 
 def node_cost(n):

@@ -27,6 +27,7 @@ Adam moments, update counts; ``trainer.save_states`` works), ``trainer.set_learn
 ``lr_mult``/``wd_mult``, BatchNorm running statistics, Dropout drawing from ``hl.random`` in
 the same order. Results equal the loop's (tests: float32, rtol 1e-5).
 """
+import numbers
 import warnings
 
 import numpy as np
@@ -39,7 +40,7 @@ from ..ops.registry import Op
 from . import trace as _trace
 from .autodiff import gradient
 from .hybrid import _Cache, trace_graph
-from .ir import Graph, Node, Symbol, const
+from .ir import Graph, Node, Symbol, TracingError, const
 from .passes import DEFAULT_PASSES, PASSES, _VIEW_OPS, run_passes
 from .program import Program, _graph_cost
 
@@ -77,7 +78,7 @@ _UPDATE = Op("optimizer_update", _update_kernel, _update_infer, None, cost=_upda
              differentiable=False)
 
 
-def _gemm_update_kernel(w, g, x, hp, *deps, slot, step, bias=False, out=None):
+def _gemm_update_kernel(w, g, x, hp, *deps, slot, step, out=None):
     """The weight gradient ``g.T @ x`` and its update in one: when the optimizer's update is
     ``w = beta w + alpha grad`` (:meth:`~hybridl.optim.Optimizer.gemm_coefficients`: plain
     SGD) and ``w`` may be written in place, ONE GEMM with accumulation (BLAS ``?gemm``'s
@@ -87,15 +88,14 @@ def _gemm_update_kernel(w, g, x, hp, *deps, slot, step, bias=False, out=None):
     lr, wd, t, rescale, owned, clip = hp[slot]
     coef = (step.opt.gemm_coefficients(lr, wd, rescale, None if clip != clip else clip)
             if owned else None)
-    c = w.reshape(1, -1) if bias else w          # a bias (u,): its gradient is ones.T @ x
-    if coef is not None and _blas.gemm_tn_accumulate(coef[0], g, x, coef[1], c):
+    if coef is not None and _blas.gemm_tn_accumulate(coef[0], g, x, coef[1], w):
         return _TOKEN
     _blas.for_gemm()
-    grad = np.matmul(g.T, x).reshape(w.shape)
+    grad = np.matmul(g.T, x)
     return _update_kernel(w, grad, hp, slot=slot, step=step, scratch=True)
 
 
-def _gemm_update_infer(w, g, x, hp, *deps, slot, step, bias=False):
+def _gemm_update_infer(w, g, x, hp, *deps, slot, step):
     return [((), np.dtype(np.float32))]
 
 
@@ -111,8 +111,10 @@ _UPDATES = (_UPDATE, _GEMM_UPDATE)
 
 def _fuse_gemm_updates(graph):
     """update(w, matmul(transpose(g), x)) -> gemm_update(w, g, x): a weight gradient read by
-    its update only (2-D, same float dtype) is never stored; likewise a bias gradient
-    update(b, sum(x, axis=0)) -> gemm_update(b, ones, x) (the column sums as ones.T @ x)."""
+    its update only (2-D, same float dtype) is never stored. Not when ``g`` or ``x`` may share
+    memory with a weight that is updated in place (the GEMM would read what it writes, or
+    another update could run first)."""
+    aliases = _weight_aliases(graph)
     count = {}
     for n in graph.nodes:
         for s in n.inputs:
@@ -124,16 +126,6 @@ def _fuse_gemm_updates(graph):
             return None
         w, gs, hp = ins[:3]
         mm = gs.node
-        if (mm.kind == "op" and mm.op.name == "sum" and count.get(gs.key(), 0) == 1
-                and gs.key() not in outs and tuple(mm.attrs.get("axis", ())) == (0,)
-                and not mm.attrs.get("keepdims") and len(mm.inputs[0].shape) == 2
-                and len(w.shape) == 1 and w.shape[0] == mm.inputs[0].shape[1]
-                and w.dtype == mm.inputs[0].dtype and w.dtype.kind == "f"):
-            x = mm.inputs[0]
-            ones = const(np.ones((x.shape[0], 1), w.dtype))
-            attrs = {"slot": node.attrs["slot"], "step": node.attrs["step"], "bias": True}
-            return Node("op", _GEMM_UPDATE, [w, ones, x, hp], attrs, node.specs,
-                        node.name).outputs()
         if (mm.kind != "op" or mm.op.name != "matmul" or count.get(gs.key(), 0) != 1
                 or gs.key() in outs):
             return None
@@ -142,6 +134,8 @@ def _fuse_gemm_updates(graph):
         if tr.kind != "op" or tr.op.name != "transpose" or len(a.shape) != 2:
             return None
         g = tr.inputs[0]
+        if aliases.get(g.key()) or aliases.get(x.key()):
+            return None
         if (len(g.shape) != 2 or len(x.shape) != 2 or g.shape[0] != x.shape[0]
                 or tuple(w.shape) != (g.shape[1], x.shape[1])
                 or not (w.dtype == g.dtype == x.dtype) or w.dtype.kind != "f"):
@@ -150,6 +144,56 @@ def _fuse_gemm_updates(graph):
         return Node("op", _GEMM_UPDATE, [w, g, x, hp], attrs, node.specs, node.name).outputs()
     from .ir import rebuild
     return rebuild(graph, rw)
+
+
+def _weight_aliases(graph):
+    """Value key -> keys of the updated weights it may share memory with: a weight itself,
+    and what views (or ops that may return views: no ``out=``) make of it."""
+    al = {}
+    for n in graph.nodes:
+        if n.kind == "op" and n.op in _UPDATES:
+            al[n.inputs[0].key()] = {n.inputs[0].key()}
+    for n in graph.nodes:
+        if n.kind != "op" or n.op in _UPDATES:
+            continue
+        if n.op.name in _VIEW_OPS or not n.op.out_ok:
+            src = set().union(*(al.get(s.key(), ()) for s in n.inputs))
+            if src:
+                for o in n.outputs():
+                    al[o.key()] = src
+    return al
+
+
+def _copy_kernel(x, out=None):
+    if out is None:
+        return np.array(x, copy=True)
+    np.copyto(out, x)
+    return out
+
+
+_COPY = Op("copy", _copy_kernel, lambda x: [(x.shape, x.dtype)], None, differentiable=False)
+
+
+def _protect(graph):
+    """Copies where a value that may share memory with a weight updated in place must keep
+    the old value: a program output (e.g. a net returning a view of its weight) and the
+    gradient read by an update (e.g. d(a*b)/da = b, another weight)."""
+    al = _weight_aliases(graph)
+    if len(al) == sum(1 for n in graph.nodes if n.kind == "op" and n.op in _UPDATES):
+        return graph            # nothing but the weights themselves: nothing to copy
+
+    def rw(node, ins):
+        if node.op is _UPDATE and al.get(node.inputs[1].key()):
+            ins = list(ins)
+            ins[1] = Node("op", _COPY, [ins[1]], {}, [(ins[1].shape, ins[1].dtype)], "copy").out()
+            return Node("op", node.op, ins, node.attrs, node.specs, node.name).outputs()
+        return None
+    from .ir import rebuild
+    g = rebuild(graph, rw)
+    al = _weight_aliases(g)
+    outs = [Node("op", _COPY, [s], {}, [(s.shape, s.dtype)], "copy").out() if al.get(s.key())
+            else s for s in g.outputs]
+    return Graph(g.inputs, outs)
 
 
 def _fuse_loss_and_grad(graph):
@@ -308,7 +352,8 @@ class TrainStep:
             different devices, or ``batch_size`` <= 0.
     """
 
-    def __init__(self, net, loss_fn, trainer, passes=None, return_outputs=False):
+    def __init__(self, net, loss_fn, trainer, passes=None, return_outputs=False,
+                 fuse_updates=True):
         from ..optim.trainer import Trainer
         if not isinstance(trainer, Trainer):
             raise TypeError(f"trainer: expected an hl.Trainer, got {type(trainer).__name__}")
@@ -318,10 +363,18 @@ class TrainStep:
             raise ValueError(f"trainer: TrainStep runs on one device without a kvstore, got "
                              f"kvstore={trainer._kv_spec!r}; use the record/backward/step loop")
         self.net, self.loss_fn, self.trainer = net, loss_fn, trainer
+        if passes is not None and not isinstance(passes, (list, tuple)):
+            raise TypeError(f"passes: expected a list of pass names or functions, got "
+                            f"{type(passes).__name__} {passes!r}")
         self._passes = tuple(DEFAULT_PASSES if passes is None else passes)
         for p in self._passes:
-            if isinstance(p, str) and p not in PASSES:
-                raise ValueError(f"passes: unknown pass {p!r}; known: {sorted(PASSES)}")
+            if isinstance(p, str):
+                if p not in PASSES:
+                    raise ValueError(f"passes: unknown pass {p!r}; known: {sorted(PASSES)}")
+            elif not callable(p):
+                raise TypeError(f"passes: expected pass names or functions Graph -> Graph, got "
+                                f"{type(p).__name__} {p!r}")
+        self._fuse_updates = bool(fuse_updates)
         self._cache = _Cache()
         self._last = None
         self._return_outputs = bool(return_outputs)
@@ -335,18 +388,29 @@ class TrainStep:
         def fn(x, y):
             out = self.net(x)
             loss = self.loss_fn(out, y)
-            if isinstance(loss, (tuple, list)):
-                raise ValueError("loss_fn: expected one array of per-sample losses, got several")
+            if not isinstance(loss, Symbol):
+                raise ValueError(f"loss_fn: expected one array of per-sample losses computed "
+                                 f"from the net's output, got {type(loss).__name__}")
+            if want_out and not isinstance(out, Symbol):
+                raise ValueError(f"return_outputs: the net returned {type(out).__name__}; "
+                                 f"TrainStep returns the net's output when it is one array")
             return (loss, out) if want_out else loss
 
         with autograd.train_mode():
-            inputs, outs, _, ctx = trace_graph(fn, [data, label])
+            try:
+                inputs, outs, _, ctx = trace_graph(fn, [data, label])
+            except TracingError as err:
+                raise TracingError(f"{err} (TrainStep always compiles the whole step: for "
+                                   f"value-dependent Python, train with the record/backward/"
+                                   f"step loop)") from None
         loss, net_out = outs[0], (outs[1] if want_out else None)
         if loss.dtype.kind != "f":
             raise ValueError(f"loss_fn: expected a float loss, got dtype {loss.dtype}")
         params = ctx.params
         tr = self.trainer
-        index = {id(p): i for i, p in enumerate(tr._params)}
+        index = {}
+        for i, p in enumerate(tr._params):     # a parameter listed twice: its first entry,
+            index.setdefault(id(p), i)          # as the loop's state
         for p in params:
             if id(p) in index and len(p.list_device()) > 1:
                 raise ValueError(f"parameter {p.name!r} lives on {len(p.list_device())} devices; "
@@ -355,8 +419,8 @@ class TrainStep:
                 raise ValueError(f"parameter {p.name!r} has grad_req='add'; TrainStep does not "
                                  f"keep .grad (use the record/backward/step loop)")
         n_data = 2
-        wrt = [n_data + j for j, p in enumerate(params)
-               if id(p) in index and p.dtype.kind == "f"]
+        wrt = [n_data + j for j, p in enumerate(params)      # frozen since: not trained
+               if id(p) in index and p.dtype.kind == "f" and p.grad_req != "null"]
         unused = [p.name for p in tr._params if all(p is not q for q in params)]
         if unused:
             warnings.warn(f"TrainStep: trainer parameters {unused} are not used by the forward "
@@ -385,7 +449,11 @@ class TrainStep:
         planner = PASSES["plan_memory"]
         plan = any(p == "plan_memory" or p is planner for p in self._passes)
         graph = run_passes(graph, [p for p in self._passes if p != "plan_memory" and p is not planner])
-        graph = _fuse_gemm_updates(_fuse_loss_and_grad(graph))
+        graph = _fuse_loss_and_grad(graph)
+        if self._fuse_updates:
+            graph = _fuse_gemm_updates(_protect(graph))
+        else:
+            graph = _protect(graph)
         graph = _schedule_updates(_allow_scratch(graph))
         prog = Program(graph, ["plan_memory"] if plan else [], "train_step")
         e.prog, e.params, e.upd, e.side = prog, params, upd, side_params
@@ -407,9 +475,15 @@ class TrainStep:
         if label.device != dev:
             raise ValueError(f"label: on {label.device!r} but data on {dev!r}; copy it with "
                              f"label.copyto({dev!r})")
-        bs = data.shape[0] if batch_size is None else batch_size
-        if not bs or bs <= 0:
-            raise ValueError(f"batch_size: expected a positive number, got {bs!r}")
+        if batch_size is None:
+            bs = data.shape[0] if data.shape else 0
+            if not bs:
+                raise ValueError(f"data: expected a batch of at least one sample (shape (N, ...)), "
+                                 f"got shape {data.shape}")
+        else:
+            bs = batch_size
+            if isinstance(bs, bool) or not isinstance(bs, numbers.Real) or not bs > 0:
+                raise ValueError(f"batch_size: expected a positive number, got {bs!r}")
         cache = self._cache
         if cache.version != _trace.STRUCTURE_VERSION[0]:
             cache.entries = {}

@@ -1,5 +1,6 @@
 """Trainer: applies an optimizer to a set of Parameters (MXNet Gluon's Trainer)."""
 import json
+import numbers
 import os
 
 import numpy as np
@@ -115,7 +116,8 @@ class Trainer:
         Raises:
             ValueError: batch_size <= 0.
         """
-        if not batch_size or batch_size <= 0:
+        if (isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Real)
+                or not batch_size > 0):
             raise ValueError(f"batch_size: expected a positive number, got {batch_size!r}")
         self._ignore_stale = ignore_stale_grad
         self.allreduce_grads()
@@ -132,6 +134,8 @@ class Trainer:
         for i, p in enumerate(self._params):
             for d, w in zip(p.list_device(), p.list_data()):
                 g = w.grad
+                if g is None:               # frozen (grad_req='null') after the Trainer was made
+                    continue
                 if not getattr(g, "_fresh", True):       # not written by backward since the
                     if p.name not in stale:               # last step: the parameter was not
                         stale.append(p.name)              # used (as MXNet, it is not updated)
