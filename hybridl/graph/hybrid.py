@@ -133,14 +133,17 @@ def _build(fn, args, name, passes, want_grad_data, static=None, parallel_segment
     return _Compiled(prog, n_user, single, side_params, params, bwd)
 
 
+_AG = autograd._state
+
+
 def _signature(args):
     sig = []
     for a in args:
         if not isinstance(a, NDArray):
             raise TypeError(f"hybridized call: inputs must be NDArrays, got {type(a).__name__} "
                             f"(wrap data with hl.nd.array)")
-        sig.append((tuple(a.shape), a.dtype.str, a.device, a._ag is not None or a._grad_req != "null"))
-    return (tuple(sig), autograd.is_training(), autograd.is_recording())
+        sig.append((tuple(a.shape), a.dtype, a.device, a._ag is not None or a._grad_req != "null"))
+    return (tuple(sig), _AG.training, _AG.recording)
 
 
 def _miss_reason(sig, known):
@@ -228,7 +231,11 @@ def call_cached(block, args):
         object.__setattr__(block, "_hcache", cache)
         object.__setattr__(block, "_cached", cache.entries)
     sig = _signature(args)
-    entry = cache.lookup(sig, type(block).__name__)
+    entry = cache.entries.get(sig)
+    if entry is not None:
+        cache.hits += 1
+    else:
+        entry = cache.lookup(sig, type(block).__name__)
     if entry is not None and sig[2] and entry.req_mask != _req_mask(entry.params):
         changed = [p.name for p, a in zip(entry.params, entry.req_mask)
                    if (p.grad_req != "null") != a]
