@@ -150,7 +150,7 @@ def test_copy_overlaps_compute():
     on the device worker: their recorded intervals overlap."""
     big = hl.nd.array(np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32))
     hl.waitall()
-    for attempt in range(3):              # overlap depends on the OS scheduler: allow retries
+    for attempt in range(5):              # overlap depends on the OS scheduler: allow retries
         with profiler.profile() as prof:
             chain, _ = _slow_chain(n=256, steps=120, device=hl.cpu(1))
             copies = [big.copyto(hl.cpu(1)) for _ in range(8)]
@@ -164,7 +164,7 @@ def test_copy_overlaps_compute():
         assert {e.thread for e in prof.events if e.queue == "copy"} == {"hybridl-copy-cpu(1)-w0"}
         if any(min(a[1], b[1]) > max(a[0], b[0]) for a in comp for b in cps):
             return
-    pytest.fail("copies never overlapped compute in 3 attempts")
+    pytest.fail("copies never overlapped compute in 5 attempts")
 
 
 @pytest.mark.parametrize("make", [
