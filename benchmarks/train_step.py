@@ -13,6 +13,10 @@ Targets (issue 3, eager): MLP b256 <= 1.15x NumPy by hand; LeNet <= 1.0x PyTorch
 4, hybridized): MLP b32 <= 1.0x jax.jit; MLP b256 <= best peer; LeNet <= torch.compile.
 
     python benchmarks/train_step.py [--no-peers] [--only mlp32,mlp256,lenet]
+    taskset -c 0 python benchmarks/train_step.py --only mlp32   # all on one core, as jax_jit_t1
+
+With JAX installed the MLP rows also time the peers' jax.jit step in this process, interleaved
+(a ratio free of the machine's drift); pinned to one core that is the issue's "jax.jit (1 core)".
 """
 import argparse
 import os
@@ -114,6 +118,45 @@ def numpy_mlp_step(batch):
     return step
 
 
+def jax_mlp_step(batch):
+    """The peers' jax.jit MLP step (../shared/bench/peers.py: value_and_grad + SGD in one jitted
+    function, blocked on every step), built here so that it runs in this process, interleaved
+    with hybridl; None when JAX is not installed. Pin the process to one core (``taskset -c 0``)
+    for the peers' "jax.jit (1 core)" conditions: then hybridl and NumPy get that core too."""
+    try:
+        import jax
+        import jax.numpy as jnp
+    except ImportError:
+        return None
+    rng = np.random.default_rng(SEED)
+    params = [_init_linear(rng, fi, fo) for fi, fo in [(784, 256), (256, 128), (128, 10)]]
+    jp = [(jnp.asarray(np.ascontiguousarray(w.T)), jnp.asarray(b)) for w, b in params]
+    drng = np.random.default_rng(SEED + 1)
+    xs = [jnp.asarray(drng.random((batch, 784), dtype=np.float32)) for _ in range(NPOOL)]
+    ys = [jnp.asarray(drng.integers(0, 10, size=batch).astype(np.int32)) for _ in range(NPOOL)]
+
+    def loss_fn(p, x, y):
+        h = jax.nn.relu(x @ p[0][0] + p[0][1])
+        h = jax.nn.relu(h @ p[1][0] + p[1][1])
+        z = h @ p[2][0] + p[2][1]
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(z), y[:, None], axis=1))
+
+    @jax.jit
+    def train(p, x, y):
+        loss, g = jax.value_and_grad(loss_fn)(p, x, y)
+        return jax.tree_util.tree_map(lambda a, b: a - LR * b, p, g), loss
+    st = {"p": jp, "i": 0}
+
+    def step():
+        i = st["i"]
+        st["i"] = (i + 1) % NPOOL
+        p, loss = train(st["p"], xs[i], ys[i])
+        jax.block_until_ready((p, loss))
+        st["p"] = p
+        return loss
+    return step
+
+
 def interleaved(steps, inner, rounds=9):
     """Median ms per call of each of ``steps`` (name -> fn), timed in alternation (``rounds``
     rounds of ``inner`` calls each): the machine's speed drifts, so configurations compared
@@ -177,8 +220,12 @@ def main(argv=None):
         e, le = hybridl_step(mlp_net, batch, (784,), "eager")
         h, lh = hybridl_step(mlp_net, batch, (784,), "hybridized")
         c, lc = hybridl_step(mlp_net, batch, (784,), "compiled")
-        med = interleaved({"hybridl eager": e, "hybridl hybridized": h, "hybridl TrainStep": c,
-                           "numpy by hand, this process": numpy_mlp_step(batch)}, inner)
+        steps = {"hybridl eager": e, "hybridl hybridized": h, "hybridl TrainStep": c,
+                 "numpy by hand, this process": numpy_mlp_step(batch)}
+        jx = jax_mlp_step(batch) if peers else None
+        if jx is not None:
+            steps["jax.jit, this process"] = jx
+        med = interleaved(steps, inner)
         rows = list(med.items())
         if peers:
             for fw in ("numpy", "torch_eager", "torch_compile", "jax_jit_t1", "jax_jit"):
@@ -209,6 +256,12 @@ def _ratios(rows, target_peer=None):
     if here is not None:
         for k in mine:
             print(f"  {k} / NumPy by hand (same process, interleaved): {d[k] / here:.2f}x")
+    jx = d.get("jax.jit, this process")
+    if jx is not None:
+        pinned = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        for k in mine:
+            print(f"  {k} / jax.jit (same process, interleaved, {pinned} core(s)): {d[k] / jx:.2f}x")
+    peers = {k: v for k, v in peers.items() if k != "jax.jit, this process"}
     named = [(f"best peer ({min(peers, key=peers.get)})", min(peers, key=peers.get))] if peers else []
     if target_peer in peers:
         named.append((target_peer, target_peer))
