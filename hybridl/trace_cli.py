@@ -6,7 +6,9 @@ Takes the options of ``hybridl train`` (model, data set, batch size, optimizer, 
 ``--no-hybridize``, ...), builds the same data, model and trainer, runs ``--warmup`` steps (not
 recorded: first-call costs such as hybridization and allocation), then records ``--steps``
 training steps under :func:`hybridl.profiler.profile`, writes the trace (Trace Event JSON: open it
-in https://ui.perfetto.dev or chrome://tracing) and prints the per-op table.
+in https://ui.perfetto.dev or chrome://tracing) and prints the per-op table. Hybridized (the
+default), each step is one compiled :class:`hybridl.TrainStep` op, as in ``hybridl train``;
+``--no-hybridize`` shows every op of the forward, backward and update.
 """
 import argparse
 import itertools
@@ -81,15 +83,20 @@ def _trace(args):
     loss_fn = L.SoftmaxCrossEntropyLoss()
     batches = itertools.chain.from_iterable(itertools.repeat(loader))
 
-    def step():
+    from .graph import TrainStep
+    compiled = None if args.no_hybridize else TrainStep(net, loss_fn, trainer)
+
+    def step():             # as `hybridl train`: hybridized steps are compiled TrainSteps
         x, y = next(batches)
+        if compiled is not None:
+            return compiled(x, y)
         with autograd.record():
             loss = loss_fn(net(x), y)
         loss.backward()
         trainer.step(x.shape[0])
         return loss
 
-    mode = "imperative" if args.no_hybridize else "hybridized"
+    mode = "imperative" if args.no_hybridize else "hybridized, compiled steps"
     print(f"hybridl trace: {args.model} on {args.dataset}, batch {args.batch_size}, "
           f"{args.optimizer}, device {devices[0]}, {mode}, engine {engine.get_engine().name}: "
           f"{args.warmup} warm-up + {args.steps} recorded step(s)", flush=True)
