@@ -56,13 +56,15 @@ def build_parser(prog="hybridl train"):
     p.add_argument("--model", default="lenet", choices=("mlp", "lenet", "resnet18", "inception"))
     p.add_argument("--dataset", default="digits", choices=_DATASETS)
     p.add_argument("--data-dir", default=None,
-                   help="folder with the IDX .gz files (default $HYBRIDL_DATA/<dataset>)")
+                   help="folder with the IDX .gz files (default $HYBRIDL_DATA/<dataset> when "
+                        "HYBRIDL_DATA is set, else ~/.hybridl/datasets/<dataset>)")
     p.add_argument("--download", action="store_true", help="download MNIST/Fashion-MNIST if missing")
     p.add_argument("--epochs", type=_positive_int, default=None,
                    help="default: 10 for digits, 1 otherwise")
     p.add_argument("--batch-size", type=_positive_int, default=None,
                    help="total batch per step (default 32 for digits, 128 otherwise)")
-    p.add_argument("--lr", type=_positive_float, default=None, help="default 0.05 sgd / 0.002 adam")
+    p.add_argument("--lr", type=_positive_float, default=None,
+                   help="default 0.05 sgd / 0.002 adam and adamw")
     p.add_argument("--lr-schedule", default="cosine", choices=("cosine", "constant"),
                    help="cosine (default): the learning rate decays from --lr to 0 over the "
                         "run, per step (Loshchilov & Hutter 2017, without restarts); constant")
@@ -73,11 +75,14 @@ def build_parser(prog="hybridl train"):
     p.add_argument("--devices", default=None, type=_device_list,
                    help="several devices, e.g. cpu:0,cpu:1 (data parallel by default); "
                         "--batch-size stays the total batch, so each device gets batch/k "
-                        "samples. Linear scaling rule (Goyal et al. 2017): if you grow the "
-                        "batch k-fold, multiply --lr by k (not done automatically)")
+                        "samples, and the last partial batch of an epoch is dropped (so the "
+                        "figures differ slightly from one device's). Linear scaling rule "
+                        "(Goyal et al. 2017): if you grow the batch k-fold, multiply --lr by k "
+                        "(not done automatically)")
     p.add_argument("--strategy", default="data", choices=("data", "pipeline", "tensor"),
                    help="with --devices: data (replicas + ring allreduce), pipeline (stages "
-                        "+ micro-batches) or tensor (Dense/Conv2D split by output features)")
+                        "+ micro-batches) or tensor (Dense/Conv2D split by output features; "
+                        "runs imperatively)")
     p.add_argument("--microbatches", type=_positive_int, default=4,
                    help="micro-batches per batch for --strategy pipeline")
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"),
@@ -244,6 +249,10 @@ def main_train(argv=None):
         print(f"hybridl train: error: --devices lists a device twice: {','.join(map(str, devs))}",
               file=sys.stderr)
         return 2
+    if args.strategy != "data" and len(devs) < 2:
+        print(f"hybridl train: error: --strategy {args.strategy} needs --devices with at least "
+              f"two devices, e.g. --devices cpu:0,cpu:1", file=sys.stderr)
+        return 2
     if args.save and len(devs) > 1 and args.strategy != "data":
         print(f"hybridl train: error: --save is supported with --strategy data (or one device); "
               f"the {args.strategy} strategy splits the parameters across devices",
@@ -251,6 +260,12 @@ def main_train(argv=None):
         return 2
     try:
         return _train(args)
+    except BrokenPipeError:         # `hybridl train | head`: the reader left; stop quietly
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except OSError:
+            pass
+        return 141                  # 128 + SIGPIPE, as shell tools
     except (FileNotFoundError, ValueError, OSError, RuntimeError) as e:
         msg = str(e).strip().splitlines()
         print(f"hybridl train: error: {type(e).__name__}: {msg[0] if msg else e}"

@@ -149,10 +149,13 @@ def test_copy_overlaps_compute():
     """A copy of a ready array runs on the copy worker while an independent compute chain runs
     on the device worker: their recorded intervals overlap."""
     big = hl.nd.array(np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32))
+    big.copyto(hl.cpu(1)).wait_to_read()  # the copy worker exists before anything is timed
     hl.waitall()
     for attempt in range(5):              # overlap depends on the OS scheduler: allow retries
         with profiler.profile() as prof:
-            chain, _ = _slow_chain(n=256, steps=120, device=hl.cpu(1))
+            # a chain several times longer than the copies, so that a loaded machine (the
+            # whole suite on 2 cores) still runs them side by side
+            chain, _ = _slow_chain(n=256, steps=240, device=hl.cpu(1))
             copies = [big.copyto(hl.cpu(1)) for _ in range(8)]
             chain.wait_to_read()
             for c in copies:

@@ -149,8 +149,10 @@ def train_multi_device(args, net, train_loader, test_loader, devices, opt_params
         params_owner = net
     else:
         raise ValueError(f"strategy: expected 'data', 'pipeline' or 'tensor', got {strategy!r}")
-    print(f"hybridl train: {args.model} on {args.dataset}, {args.epochs} epoch(s), batch "
-          f"{args.batch_size}, {args.optimizer} lr {args.lr}, devices "
+    print(f"hybridl train: {args.model} on {args.dataset} ({len(train_loader.dataset)} train / "
+          f"{len(test_loader.dataset)} test images), {args.epochs} epoch(s), batch "
+          f"{args.batch_size} (last partial batch dropped), {args.optimizer} lr {args.lr} "
+          f"({getattr(args, 'lr_schedule', 'constant')}), devices "
           f"{', '.join(str(d) for d in devices)}: {detail}, "
           f"{'hybridized' if hyb else 'imperative'}", flush=True)
     t0 = time.perf_counter()
