@@ -109,17 +109,22 @@ _GEMM_UPDATE = Op("gemm_update", _gemm_update_kernel, _gemm_update_infer, None,
 _UPDATES = (_UPDATE, _GEMM_UPDATE)
 
 
+def _uses(graph):
+    """(value key -> number of node inputs reading it, keys of the program outputs)."""
+    count = {}
+    for n in graph.nodes:
+        for s in n.inputs:
+            count[s.key()] = count.get(s.key(), 0) + 1
+    return count, {s.key() for s in graph.outputs}
+
+
 def _fuse_gemm_updates(graph):
     """update(w, matmul(transpose(g), x)) -> gemm_update(w, g, x): a weight gradient read by
     its update only (2-D, same float dtype) is never stored. Not when ``g`` or ``x`` may share
     memory with a weight that is updated in place (the GEMM would read what it writes, or
     another update could run first)."""
     aliases = _weight_aliases(graph)
-    count = {}
-    for n in graph.nodes:
-        for s in n.inputs:
-            count[s.key()] = count.get(s.key(), 0) + 1
-    outs = {s.key() for s in graph.outputs}
+    count, outs = _uses(graph)
 
     def rw(node, ins):
         if node.op is not _UPDATE:
@@ -582,11 +587,7 @@ def _step_miss_reason(sig, known):
 def _allow_scratch(graph):
     """Mark updates whose gradient is theirs alone (a planned intermediate read by nothing
     else): the optimizer may use its buffer as scratch (``g *= lr; w -= g`` as by hand)."""
-    count = {}
-    for n in graph.nodes:
-        for s in n.inputs:
-            count[s.key()] = count.get(s.key(), 0) + 1
-    outs = {s.key() for s in graph.outputs}
+    count, outs = _uses(graph)
 
     def rw(node, ins):
         if node.op is not _UPDATE:
