@@ -388,3 +388,20 @@ def test_detach_inside_a_traced_forward():
     got = _run(net, init, "sgd", {"learning_rate": 0.1}, batches, True)
     for n in ref[1]:
         np.testing.assert_allclose(got[1][n], ref[1][n], rtol=1e-5, atol=1e-6, err_msg=n)
+
+
+def test_train_step_without_fused_updates_is_bit_identical_to_the_loop():
+    net = models.mlp(hidden=(16, 12))
+    net.initialize()
+    batches = _batches(4, (6,))
+    init = _init(net, batches[0][0])
+    ref = _run(net, init, "sgd", {"learning_rate": 0.1}, batches, False)
+    _set(net, init)
+    lf = hl.loss.SoftmaxCrossEntropyLoss()
+    trainer = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+    step = hl.TrainStep(net, lf, trainer, fuse_updates=False)
+    losses = [step(nd.array(x), nd.array(y)).asnumpy() for x, y in batches]
+    np.testing.assert_array_equal(np.array(losses), ref[0])
+    for n, v in _params(net).items():
+        np.testing.assert_array_equal(v, ref[1][n], err_msg=n)
+    assert step.last_program.graph.count("gemm_update") == 0

@@ -25,7 +25,10 @@ Differences from the loop, by design:
 Everything else is the loop's: the same parameters, optimizer and optimizer state (momentum,
 Adam moments, update counts; ``trainer.save_states`` works), ``trainer.set_learning_rate``,
 ``lr_mult``/``wd_mult``, BatchNorm running statistics, Dropout drawing from ``hl.random`` in
-the same order. Results equal the loop's (tests: float32, rtol 1e-5).
+the same order. Results equal the loop's bit for bit, except that a plain-SGD weight whose
+gradient GEMM and update are fused (``fuse_updates=True``, the default: one BLAS ``gemm`` with
+``beta``, whose rounding differs in the last bit) agrees to float rounding (tests: float32,
+rtol 1e-5); ``fuse_updates=False`` gives the loop's bits.
 """
 import numbers
 import warnings
@@ -339,8 +342,10 @@ class TrainStep:
             ``hl.loss.SoftmaxCrossEntropyLoss()``.
         trainer (Trainer): its optimizer, hyper-parameters and state are used and updated.
         passes: compiler passes (names), default :data:`hybridl.graph.DEFAULT_PASSES`.
-
         return_outputs (bool): also return the net's outputs (e.g. for accuracy).
+        fuse_updates (bool): compute a plain-SGD weight gradient and its update as one GEMM
+            with accumulation (faster, no gradient buffer; last-bit rounding differs from the
+            loop). False: bit-identical to the loop.
 
     Call ``step(data, label, batch_size=None)``: data and label NDArrays on one device;
     ``batch_size`` (default ``data.shape[0]``) scales the gradients by 1 / batch_size as
@@ -351,7 +356,10 @@ class TrainStep:
     ``.memory_plan``).
 
     Raises:
-        TypeError: ``trainer`` is not a Trainer, data or label not NDArrays.
+        TypeError: ``trainer`` is not a Trainer, ``passes`` not a list of names or functions,
+            data or label not NDArrays.
+        TracingError: the forward or the loss needs a traced value in Python (``float(x)``,
+            ``if x > 0``); train such models with the loop.
         ValueError: the trainer has a kvstore or parameters on several devices, a trained
             parameter has ``grad_req='add'``, the loss is not a float array, data and label on
             different devices, or ``batch_size`` <= 0.
