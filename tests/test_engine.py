@@ -784,3 +784,26 @@ def test_malloc_tuning_applied_once_and_can_be_turned_off():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env=env)
     assert out.returncode == 0 and out.stdout.startswith("[]"), (out.stdout, out.stderr)
+
+
+def test_threaded_engine_shortens_the_gil_time_slice_unless_the_program_chose_one(monkeypatch):
+    import sys
+    from hybridl.engine import threaded
+    old = sys.getswitchinterval()
+    try:
+        monkeypatch.delenv("HYBRIDL_SWITCH_INTERVAL", raising=False)
+        sys.setswitchinterval(0.005)                  # Python's default
+        threaded._set_switch_interval()
+        assert abs(sys.getswitchinterval() - 0.0005) < 1e-9
+        sys.setswitchinterval(0.002)                  # the program's own choice stays
+        threaded._set_switch_interval()
+        assert abs(sys.getswitchinterval() - 0.002) < 1e-9
+        monkeypatch.setenv("HYBRIDL_SWITCH_INTERVAL", "0")
+        sys.setswitchinterval(0.005)
+        threaded._set_switch_interval()
+        assert abs(sys.getswitchinterval() - 0.005) < 1e-9
+        monkeypatch.setenv("HYBRIDL_SWITCH_INTERVAL", "0.001")
+        threaded._set_switch_interval()
+        assert abs(sys.getswitchinterval() - 0.001) < 1e-9
+    finally:
+        sys.setswitchinterval(old)
