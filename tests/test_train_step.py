@@ -47,6 +47,13 @@ def _run(net, init, optimizer, opt_params, batches, compiled, loss_fn=None, seed
     return np.array(losses), _params(net), trainer
 
 
+def _new_step(net, init, **kw):
+    """A TrainStep (SGD, lr 0.1, softmax cross-entropy) of ``net`` reset to ``init``."""
+    _set(net, init)
+    trainer = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+    return hl.TrainStep(net, hl.loss.SoftmaxCrossEntropyLoss(), trainer, **kw)
+
+
 def _init(net, x):
     net(nd.array(x))                      # finish deferred shapes
     return _params(net)
@@ -203,10 +210,7 @@ def test_train_step_return_outputs_and_dropout_before_batchnorm():
     batches = _batches(3, (5,), classes=4)
     init = _init(net, batches[0][0])
     ref = _run(net, init, "sgd", {"learning_rate": 0.1}, batches, False)
-    _set(net, init)
-    lf = hl.loss.SoftmaxCrossEntropyLoss()
-    trainer = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
-    step = hl.TrainStep(net, lf, trainer, return_outputs=True)
+    step = _new_step(net, init, return_outputs=True)
     hl.random.seed(3)
     for x, y in batches:
         loss, out = step(nd.array(x), nd.array(y))
@@ -396,10 +400,7 @@ def test_train_step_without_fused_updates_is_bit_identical_to_the_loop():
     batches = _batches(4, (6,))
     init = _init(net, batches[0][0])
     ref = _run(net, init, "sgd", {"learning_rate": 0.1}, batches, False)
-    _set(net, init)
-    lf = hl.loss.SoftmaxCrossEntropyLoss()
-    trainer = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
-    step = hl.TrainStep(net, lf, trainer, fuse_updates=False)
+    step = _new_step(net, init, fuse_updates=False)
     losses = [step(nd.array(x), nd.array(y)).asnumpy() for x, y in batches]
     np.testing.assert_array_equal(np.array(losses), ref[0])
     for n, v in _params(net).items():

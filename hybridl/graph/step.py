@@ -208,16 +208,14 @@ def _fuse_loss_and_grad(graph):
     """softmax_cross_entropy(z, y) and softmax_cross_entropy_grad(d, z, y) -> one node making
     both (labels checked and softmax computed once), when the loss is only a program output."""
     from ..ops.nn import SCE, SCE_GRAD, SCE_WITH_GRAD
-    used = set()
-    for n in graph.nodes:
-        for s in n.inputs:
-            used.add(s.key())
+    used, _ = _uses(graph)
     losses = {tuple(s.key() for s in n.inputs): n for n in graph.nodes
               if n.kind == "op" and n.op is SCE and n.outputs()[0].key() not in used}
+    loss_ids = {a.id for a in losses.values()}
     copies, fused = {}, {}
 
     def rw(node, ins):
-        if node.op is SCE and node.id in {a.id for a in losses.values()}:
+        if node.op is SCE and node.id in loss_ids:
             nn = Node("op", node.op, ins, node.attrs, node.specs, node.name)
             copies[node.id] = nn
             return nn.outputs()
@@ -329,8 +327,8 @@ class _Entry:
     """One cached program and what its update nodes write (``opt``, ``weights``, ``states``:
     bound by each call's engine op before the program runs; calls are serialized by the
     engine, as each writes the weights)."""
-    __slots__ = ("prog", "params", "upd", "tindex", "side", "ckey", "random", "cost", "owned",
-                 "opt", "weights", "states")
+    __slots__ = ("prog", "params", "upd", "tindex", "upd_pos", "read_pos", "side", "ckey",
+                 "random", "cost", "owned", "opt", "weights", "states")
 
 
 class TrainStep:
@@ -471,6 +469,9 @@ class TrainStep:
         prog = Program(graph, ["plan_memory"] if plan else [], "train_step")
         e.prog, e.params, e.upd, e.side = prog, params, upd, side_params
         e.tindex = [index[id(p)] for p in upd]
+        pos = {id(p): j for j, p in enumerate(params)}
+        e.upd_pos = [pos[id(p)] for p in upd]
+        e.read_pos = [j for j in range(len(params)) if j not in set(e.upd_pos)]
         from ..optim.optimizer import _owned     # (optim imports nn, which imports graph)
         e.owned = _owned
         e.random = prog.op.random
@@ -522,8 +523,8 @@ class TrainStep:
         pvals = [p.data(dev) for p in e.params]
         weights, states, rows = [], [], []
         lr, wd = opt.lr, opt.wd
-        for p, i in zip(e.upd, e.tindex):
-            w = p.data(dev)
+        for p, i, j in zip(e.upd, e.tindex, e.upd_pos):
+            w = pvals[j]
             st = tr._state((i, dev), w)
             st["t"] += 1
             w._version += 1
@@ -540,8 +541,8 @@ class TrainStep:
         fn = e.prog.fn
         rs = None
         reads = [data._var, label._var]
+        reads += [pvals[j]._var for j in e.read_pos]        # the parameters not updated
         upd_ids = {id(w) for w in weights}
-        reads += [a._var for a in pvals if id(a) not in upd_ids]
         writes = [loss._var] + [w._var for w in weights] + [st["var"] for st in states]
         if out is not None:
             writes.append(out._var)

@@ -129,13 +129,23 @@ def softmax_cross_entropy_grad(dloss, logits, labels, *, out=None):
     """
     logits, labels = _ce_check(logits, labels)
     N, K = logits.shape
-    dloss = np.asarray(dloss)
-    if dloss.shape not in ((N,), ()):
-        raise ValueError(f"dloss: expected shape ({N},) (one per sample), got {dloss.shape}")
+    dloss = _check_dloss(dloss, N)
     check_out(out, (N, K), logits.dtype)
     p = softmax(logits, axis=1, out=out)
     p[np.arange(N), labels] -= 1
-    p *= dloss.astype(logits.dtype, copy=False)[..., None] if dloss.ndim else logits.dtype.type(dloss)
+    return _times_dloss(p, dloss)
+
+
+def _check_dloss(dloss, n):
+    dloss = np.asarray(dloss)
+    if dloss.shape not in ((n,), ()):
+        raise ValueError(f"dloss: expected shape ({n},) (one per sample), got {dloss.shape}")
+    return dloss
+
+
+def _times_dloss(p, dloss):
+    """``p *= dloss`` per row (a scalar dloss: every row), in p's dtype."""
+    p *= dloss.astype(p.dtype, copy=False)[..., None] if dloss.ndim else p.dtype.type(dloss)
     return p
 
 
@@ -169,8 +179,5 @@ def softmax_cross_entropy_with_grad(dloss, logits, labels, *, unit=False):
     p /= s[:, None]
     p[ar, labels] -= 1
     if not unit:
-        dloss = np.asarray(dloss)
-        if dloss.shape not in ((N,), ()):
-            raise ValueError(f"dloss: expected shape ({N},) (one per sample), got {dloss.shape}")
-        p *= dloss.astype(logits.dtype, copy=False)[..., None] if dloss.ndim else logits.dtype.type(dloss)
+        _times_dloss(p, _check_dloss(dloss, N))
     return loss, p

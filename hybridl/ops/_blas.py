@@ -89,9 +89,8 @@ def _numpy_gemm(kind):
     try:
         import ctypes
 
-        import numpy
+        import numpy  # noqa: F401 - loads the BLAS library
         from threadpoolctl import threadpool_info
-        numpy.ones(1)        # noqa: the library is loaded with numpy
         paths = [i["filepath"] for i in threadpool_info()
                  if i.get("user_api") == "blas" and "numpy" in i["filepath"]]
         for path in paths:
