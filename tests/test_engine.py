@@ -561,6 +561,63 @@ def test_inline_op_error_is_stored_not_raised():
         e.shutdown()
 
 
+def test_sync_loop_ops_run_in_the_pusher_until_the_program_overlaps_again():
+    """An op waited for right after its push, before the worker woke up (here: the worker is
+    never woken by pushes, so the waiter always finds it queued), twice in a row, runs in the
+    pushing thread from then on, except every 16th push; pushing another op before waiting
+    gives the key back to the worker. Results and order are the same either way."""
+    from hybridl.engine import threaded as T
+    e = ThreadedEngine(inline_s=1e-6)           # nothing here counts as tiny
+    me = threading.current_thread().name
+    try:
+        v, other = Var("v"), Var("other")
+        log = []
+
+        def step():
+            log.append((threading.current_thread().name, in_push[0]))
+            t0 = time.thread_time()
+            while time.thread_time() - t0 < 2e-4:      # 0.2 ms of CPU: not tiny
+                pass
+
+        in_push = [False]
+
+        def push(fn, name):
+            in_push[0] = True
+            try:
+                e.push(fn, [v], [v], DEVS[0], name=name, pure=True)
+            finally:
+                in_push[0] = False
+
+        push(step, "warm")                       # starts the worker, then idle
+        e.waitall()
+        q = e._queues[DEVS[0]]
+        q.cond.notify = lambda n=1: None         # pushes never wake it: waiters take the ops
+        log.clear()
+        n = 3 + 2 * T._SYNC_PROBE
+        for _ in range(n):
+            push(step, "step")
+            e.wait_for(v)
+        ran_in_push = [p for _, p in log]
+        assert all(t == me for t, _ in log)      # taken by the waiter, or run by push
+        assert ran_in_push[:T._SYNC_STREAK] == [False] * T._SYNC_STREAK
+        # after the streak, inline except every _SYNC_PROBE-th push (a probe, taken by the wait)
+        assert ran_in_push.count(False) == T._SYNC_STREAK + (n - T._SYNC_STREAK) // T._SYNC_PROBE
+        # the program starts overlapping: another op pushed before the wait (the worker is
+        # woken again, as always outside this test)
+        del q.cond.notify
+        log.clear()
+        for _ in range(2 * T._SYNC_PROBE):
+            push(step, "step")
+            e.push(lambda: None, [], [other], DEVS[0], name="other", pure=True)
+            e.wait_for(v)
+        # at the next probe the key went back to the asynchronous path, for good
+        flags = [p for _, p in log]
+        first_async = flags.index(False)
+        assert first_async < T._SYNC_PROBE and not any(flags[first_async:])
+        e.waitall()
+    finally:
+        e.shutdown()
+
 
 def test_eager_fast_path_error_is_stored_not_raised():
     """A tiny eager op whose inputs are ready runs in the pushing thread without making an op

@@ -24,6 +24,14 @@ __all__ = ["ThreadedEngine"]
 # ideal 1.9x on 2 cores; 1.6x at 0.5 ms). Applied only if the interval is still Python's
 # default; HYBRIDL_SWITCH_INTERVAL (seconds) sets it, 0 keeps Python's.
 _PY_DEFAULT_INTERVAL = 0.005
+
+# Ops of a cost key whose pusher waited for them at once, before the worker had woken up,
+# _SYNC_STREAK times in a row run in the pushing thread (a synchronous loop such as
+# ``loss = step(x, y); loss.item()``: the hand-over to the worker and back costs tens of
+# microseconds on a VM and buys no overlap); every _SYNC_PROBE-th such push still goes to the
+# worker, so that a program that starts overlapping work with the op gets it back.
+_SYNC_STREAK = 2
+_SYNC_PROBE = 16
 _SWITCH_INTERVAL = 0.0005
 
 
@@ -58,6 +66,14 @@ class ThreadedEngine(Engine):
     instead of sleeping. For ops that small the hand-over to a worker (wake-up, GIL hand-over,
     wake-up of the waiter) costs more than the op. Results, ordering and error handling are the
     same (errors are still stored, not raised at the push); big or unknown ops stay asynchronous.
+
+    Synchronous loops: when the pushing thread has waited for the ops of one cost key right
+    after pushing them, finding them still queued (the worker had not yet woken up), twice in a
+    row, later ready ops of that key run in the pushing thread too, as tiny ops do, except
+    every 16th, which goes to the worker again to look: pushing another op before waiting for
+    it, or the worker taking it first, gives the key back to the worker. A loop such as
+    ``loss = step(x, y); print(loss.item())`` then pays no hand-over to a worker and back
+    (tens of microseconds on a small VM) for an overlap it never uses.
 
     When its first workers start, the interpreter's GIL time slice is shortened from Python's
     default 5 ms to 0.5 ms (``sys.setswitchinterval``; not when the program set its own, and
@@ -95,7 +111,9 @@ class ThreadedEngine(Engine):
         self._seq = itertools.count()
         self._stopping = False
         self._worker_ids = set()
-        self._cost = {}                # cost key -> [average run time (s) or None, runs]
+        # cost key -> [average run time (s) or None, runs, sync streak, sync-inline pushes]
+        self._cost = {}
+        self._fresh = None             # the last op pushed to a worker, not waited for yet
 
     # ------------------------------------------------------------------ scheduling
     def _push_op(self, op):
@@ -108,12 +126,16 @@ class ThreadedEngine(Engine):
             if cell is None:
                 if len(cost) >= 4096:                # very many shapes: forget, re-learn
                     cost.clear()
-                cell = cost[key] = [None, 0]
+                cell = cost[key] = [None, 0, 0, 0]
             op.cell = cell
         writes = op.writes
         with self._lock:
             if self._stopping:
                 return
+            f = self._fresh
+            if f is not None:                # pushed something else before waiting on it:
+                f.cell[2] = 0                # the program overlaps its work with that op
+                self._fresh = None
             n = 0
             for v in writes:
                 w = v._writer
@@ -149,7 +171,13 @@ class ThreadedEngine(Engine):
                 bound = self.inline_s
                 if type(key) is tuple and key[0] == "bulk":
                     bound *= key[1]           # a group: inline when its members would be
-                if c is not None and c < bound:
+                inline = c is not None and c < bound
+                if not inline and cell[2] >= _SYNC_STREAK and bound > 0:
+                    # waited for at once, the last times: run it here, except every
+                    # _SYNC_PROBE-th push, which goes to the worker to look again
+                    cell[3] += 1
+                    inline = cell[3] % _SYNC_PROBE != 0
+                if inline:
                     q = self._queues.get(op.key)
                     if q is not None and not q.busy and not q.heap:
                         q.busy += 1          # the device counts as busy while we run it here
@@ -157,6 +185,8 @@ class ThreadedEngine(Engine):
                         q = None
             if q is None:
                 self._enqueue(op)
+                if pure and self.inline_s > 0:
+                    self._fresh = op         # until the next push or a wait for it
                 return
         self._run_here(op, q)
 
@@ -292,10 +322,26 @@ class ThreadedEngine(Engine):
         q.busy += 1
         return heapq.heappop(q.heap)
 
+    def _note_wait(self, op, job):          # lock held
+        """A thread waits for ``op`` and took ``job`` from a queue to run it itself (or None).
+        When ``op`` is the last op pushed and still sat in its queue (the waiter came before
+        the worker woke up), the hand-over to the worker was wasted: count it in the sync
+        streak of its cost key; otherwise (a worker runs it) reset the streak."""
+        if op is not self._fresh:
+            return
+        self._fresh = None
+        if job is op:
+            op.cell[2] += 1
+        else:
+            op.cell[2] = 0
+
     def _wait_op(self, op):
         lock = self._lock
         with lock:
             if op.done:
+                if op is self._fresh:       # done before the wait: the worker kept up
+                    op.cell[2] = 0
+                    self._fresh = None
                 return
         self._check_not_worker()
         while True:
@@ -304,6 +350,7 @@ class ThreadedEngine(Engine):
                     return
                 q = self._queues.get(op.key)
                 job = self._take(q) if q is not None else None
+                self._note_wait(op, job)
                 if job is None:
                     if op.event is None:
                         op.event = threading.Event()
@@ -325,6 +372,8 @@ class ThreadedEngine(Engine):
                     job = self._take(q)
                     if job is not None:
                         break
+                if self._fresh is not None:
+                    self._note_wait(self._fresh, job)
                 if job is None:
                     self._idle_waiters += 1
                     try:
