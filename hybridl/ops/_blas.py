@@ -17,6 +17,8 @@ cores: 2 vs 1 BLAS threads) agree to float rounding, as with PyTorch or MKL at d
 counts. OpenBLAS itself keeps small products on one thread.
 """
 import os
+from ctypes import addressof as _addressof
+from ctypes import c_char as _c_char
 
 __all__ = ["for_gemm", "set_budget", "budget", "cores", "pin", "gemm_tn_accumulate"]
 
@@ -112,27 +114,39 @@ def _numpy_gemm(kind):
     return None
 
 
+def _address(a):
+    """The address of ``a``'s first element: through the buffer protocol (~1 us; the NumPy
+    ``a.ctypes`` helper costs ~3 us, and a small GEMM is called many times per step), or
+    ``a.ctypes.data`` for read-only or empty arrays, which ``from_buffer`` refuses."""
+    try:
+        return _addressof(_c_char.from_buffer(a))
+    except (TypeError, ValueError):
+        return a.ctypes.data
+
+
 def gemm_tn_accumulate(alpha, a, b, beta, c):
     """``c = alpha * a.T @ b + beta * c`` in place, as ONE BLAS call (``cblas_?gemm``, whose
     ``beta`` NumPy's matmul lacks). ``a`` (K, M), ``b`` (K, N), ``c`` (M, N): C-contiguous,
     one float dtype (float32 or float64). Returns False (and does nothing) when that BLAS
     function is not available or the arrays do not qualify; the caller then computes it with
     NumPy."""
-    kind = _KIND.get(c.dtype.char)
-    if (kind is None or not (a.dtype == b.dtype == c.dtype) or a.ndim != 2 or b.ndim != 2
+    got = _GEMM.get(_KIND.get(c.dtype.char))
+    if got is None:
+        kind = _KIND.get(c.dtype.char)
+        got = None if kind is None else _numpy_gemm(kind)
+        if got is None:
+            return False
+    if (not (a.dtype == b.dtype == c.dtype) or a.ndim != 2 or b.ndim != 2
             or not (a.flags.c_contiguous and b.flags.c_contiguous and c.flags.c_contiguous
                     and c.flags.writeable)
             or a.shape[0] != b.shape[0] or c.shape != (a.shape[1], b.shape[1])):
         return False
-    got = _numpy_gemm(kind)
-    if got is None:
-        return False
-    fn, _ = got
     (k, m), n = a.shape, b.shape[1]
-    for_gemm()
+    if _state["max"] != _state["cur"]:
+        for_gemm()
     # row-major (101); a transposed (112), b as is (111)
-    fn(101, 112, 111, m, n, k, alpha, a.ctypes.data, max(m, 1), b.ctypes.data, max(n, 1), beta,
-       c.ctypes.data, max(n, 1))
+    got[0](101, 112, 111, m, n, k, alpha, _address(a), max(m, 1), _address(b), max(n, 1), beta,
+           _address(c), max(n, 1))
     return True
 
 
