@@ -503,7 +503,7 @@ class TrainStep:
             cache.entries = {}
             cache.version = _trace.STRUCTURE_VERSION[0]
         sig = ((tuple(data.shape), data.dtype.str, dev), (tuple(label.shape), label.dtype.str),
-               tuple(p.grad_req for p in self.trainer._params))
+               tuple([p._grad_req for p in self.trainer._params]))
         e = cache.entries.get(sig)
         if e is None:
             cache.miss(_step_miss_reason(sig, list(cache.entries)), "TrainStep", stacklevel=3)
@@ -520,12 +520,19 @@ class TrainStep:
         opt.rescale_grad = rescale = 1.0 / bs
         opt.num_update += 1
         clip = float("nan") if opt.clip_gradient is None else opt.clip_gradient
-        pvals = [p.data(dev) for p in e.params]
+        pvals = []
+        for p in e.params:                  # Parameter.data(dev) without its checks when found
+            d = p._data
+            a = d.get(dev) if d is not None else None
+            pvals.append(a if a is not None else p.data(dev))
         weights, states, rows = [], [], []
         lr, wd = opt.lr, opt.wd
+        known = tr._states
         for p, i, j in zip(e.upd, e.tindex, e.upd_pos):
             w = pvals[j]
-            st = tr._state((i, dev), w)
+            st = known.get((i, dev))
+            if st is None:
+                st = tr._state((i, dev), w)
             st["t"] += 1
             w._version += 1
             rows.append([lr * p.lr_mult, wd * p.wd_mult, st["t"], rescale, 0.0, clip])
