@@ -15,8 +15,9 @@ asserted).
    workers per device). Target: >= 1.3x at a batch where the branches are compute-heavy.
 2. Eager per-op overhead: ``x = x + 1`` on a tiny array, N times, then ``waitall()``: NumPy by
    hand, the threaded engine without and with ``hl.engine.bulk(n)`` (consecutive ops grouped
-   into one engine task), with tiny-op inlining turned off (when the engine has it: every op
-   handed to the worker thread), and the naive (synchronous) engine. Microseconds per op
+   into one engine task), with tiny-op inlining turned off (when the engine has it: every op,
+   or every group under ``bulk``, handed to the worker thread: there bulking shows what it
+   saves), and the naive (synchronous) engine. Microseconds per op
    (total) and microseconds per op spent in the frontend's loop (push).
 
 "cores busy" is the process CPU time over the wall time of a run (median): about 2 when the two
@@ -167,14 +168,16 @@ def per_op_overhead(nops, rounds):
             return t_push
         return run
 
-    def no_inline_loop():
-        eng = hl.engine.get_engine()
-        old = eng.inline_s
-        eng.inline_s = 0.0                     # every op goes to the device's worker thread
-        try:
-            return engine_loop()()
-        finally:
-            eng.inline_s = old
+    def no_inline_loop(bulk=None):
+        def run():
+            eng = hl.engine.get_engine()
+            old = eng.inline_s
+            eng.inline_s = 0.0                 # every op (or group) goes to the device's worker
+            try:
+                return engine_loop(bulk)()
+            finally:
+                eng.inline_s = old
+        return run
 
     def naive_loop():
         with hl.engine.set_engine("naive"):
@@ -184,7 +187,10 @@ def per_op_overhead(nops, rounds):
                ("threaded, bulk(16)", engine_loop(16)), ("threaded, bulk(64)", engine_loop(64)),
                ("naive (synchronous)", naive_loop)]
     if hasattr(hl.engine.get_engine(), "inline_s"):      # tiny ops may run in the pushing thread
-        configs.insert(2, ("threaded, no inlining", no_inline_loop))
+        # bulking matters most where every op would be a hand-over to the worker
+        configs[2:2] = [("threaded, no inlining", no_inline_loop()),
+                        ("no inlining, bulk(16)", no_inline_loop(16)),
+                        ("no inlining, bulk(64)", no_inline_loop(64))]
     total = {name: [] for name, _ in configs}
     push = {name: [] for name, _ in configs}
     for _, fn in configs:
