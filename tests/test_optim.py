@@ -386,3 +386,34 @@ def test_update_in_place_never_changes_what_others_see(name, kw):
         extra = dict(momentum=kw["momentum"])
     want = ref(w0, [g, g], kw["learning_rate"], **extra)
     np.testing.assert_allclose(expected[-1], want, rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_plain_sgd_large_weights_one_pass(dtype):
+    """Plain SGD on a weight of >= _AXPY_MIN elements takes the one-pass BLAS axpy path: it
+    matches the NumPy reference, and a weight whose buffer is shared (updated into a copy)
+    gets exactly the same values as one updated in place."""
+    from hybridl.optim import optimizer as O
+    shape = (80, 64)
+    assert np.prod(shape) >= O._AXPY_MIN
+    rng = np.random.default_rng(5)
+    w0 = rng.standard_normal(shape).astype(dtype)
+    grads = [rng.standard_normal(shape).astype(dtype) for _ in range(3)]
+    results = []
+    for shared in (False, True):
+        p = nn.Parameter("w", shape, dtype=dtype)
+        p.initialize(hl.init.Zero())
+        p.set_data(w0)
+        tr = hl.Trainer([p], "sgd", {"learning_rate": 0.1})
+        keep = []
+        for g in grads:
+            if shared:
+                keep.append(p.data().reshape((-1,)))      # another view: no in-place update
+            _set_grad([p], [g.astype("float64")])
+            tr.step(4)
+        results.append(p.data().asnumpy())
+        if shared:
+            np.testing.assert_array_equal(keep[0].asnumpy(), w0.reshape(-1))
+    np.testing.assert_array_equal(results[0], results[1])
+    ref = ref_sgd(w0.astype("float64"), grads, 0.1, rescale=0.25)
+    np.testing.assert_allclose(results[0], ref, rtol=1e-5 if dtype == "float32" else 1e-12, atol=1e-6)

@@ -20,7 +20,7 @@ import os
 from ctypes import addressof as _addressof
 from ctypes import c_char as _c_char
 
-__all__ = ["for_gemm", "set_budget", "budget", "cores", "pin", "gemm_tn_accumulate"]
+__all__ = ["for_gemm", "set_budget", "budget", "cores", "pin", "gemm_tn_accumulate", "axpy"]
 
 
 def cores():
@@ -77,17 +77,16 @@ def for_gemm():
 
 
 _GEMM = {}
+_AXPY = {}
 _KIND = {"f": "s", "d": "d"}
 
 
-def _numpy_gemm(kind):
-    """``cblas_?gemm`` of the BLAS NumPy itself is linked to (the same library, threads and
-    budget as ``np.matmul``; a second BLAS in the process would bring a second pool of
-    spinning threads), through ctypes, or None when it cannot be found. Returns
-    ``(function, int type)``."""
-    if kind in _GEMM:
-        return _GEMM[kind]
-    _GEMM[kind] = None
+def _numpy_cblas(routine, kind, argtypes):
+    """``cblas_<kind><routine>`` of the BLAS NumPy itself is linked to (the same library,
+    threads and budget as ``np.matmul``; a second BLAS in the process would bring a second pool
+    of spinning threads), through ctypes, or None when it cannot be found. ``argtypes``: a
+    function of (integer type, real type) giving the argument types. Returns
+    ``(function, integer type)``."""
     try:
         import ctypes
 
@@ -97,21 +96,37 @@ def _numpy_gemm(kind):
                  if i.get("user_api") == "blas" and "numpy" in i["filepath"]]
         for path in paths:
             lib = ctypes.CDLL(path)
-            for name, itype in ((f"scipy_cblas_{kind}gemm64_", ctypes.c_int64),
-                                (f"cblas_{kind}gemm64_", ctypes.c_int64),
-                                (f"cblas_{kind}gemm", ctypes.c_int)):
+            for name, itype in ((f"scipy_cblas_{kind}{routine}64_", ctypes.c_int64),
+                                (f"cblas_{kind}{routine}64_", ctypes.c_int64),
+                                (f"cblas_{kind}{routine}", ctypes.c_int)):
                 fn = getattr(lib, name, None)
                 if fn is not None:
                     real = ctypes.c_float if kind == "s" else ctypes.c_double
                     fn.restype = None
-                    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, itype, itype, itype,
-                                   real, ctypes.c_void_p, itype, ctypes.c_void_p, itype, real,
-                                   ctypes.c_void_p, itype]
-                    _GEMM[kind] = (fn, itype)
-                    return _GEMM[kind]
+                    fn.argtypes = argtypes(itype, real)
+                    return fn, itype
     except Exception:  # noqa: BLE001 - no such library: callers fall back to NumPy
-        _GEMM[kind] = None
+        return None
     return None
+
+
+def _numpy_gemm(kind):
+    """``cblas_?gemm`` through :func:`_numpy_cblas` (cached), or None."""
+    if kind not in _GEMM:
+        import ctypes
+        p = ctypes.c_void_p
+        _GEMM[kind] = _numpy_cblas("gemm", kind, lambda i, r: [ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                                              i, i, i, r, p, i, p, i, r, p, i])
+    return _GEMM[kind]
+
+
+def _numpy_axpy(kind):
+    """``cblas_?axpy`` through :func:`_numpy_cblas` (cached), or None."""
+    if kind not in _AXPY:
+        import ctypes
+        p = ctypes.c_void_p
+        _AXPY[kind] = _numpy_cblas("axpy", kind, lambda i, r: [i, r, p, i, p, i])
+    return _AXPY[kind]
 
 
 def _address(a):
@@ -147,6 +162,28 @@ def gemm_tn_accumulate(alpha, a, b, beta, c):
     # row-major (101); a transposed (112), b as is (111)
     got[0](101, 112, 111, m, n, k, alpha, _address(a), max(m, 1), _address(b), max(n, 1), beta,
            _address(c), max(n, 1))
+    return True
+
+
+def axpy(alpha, x, y):
+    """``y += alpha * x`` in place in ONE pass over both (BLAS ``?axpy``: no temporary for
+    ``alpha * x``, as NumPy's two calls need). ``x``, ``y``: C-contiguous, same shape, one
+    float dtype (float32 or float64); ``y`` writable. Returns False (and does nothing) when
+    that BLAS function is not available or the arrays do not qualify.
+
+    Each element is ``y + alpha * x`` rounded once or twice (the library may fuse the
+    multiply-add), the same every run for the same size and thread budget."""
+    kind = _KIND.get(y.dtype.char)
+    if (kind is None or x.dtype != y.dtype or x.shape != y.shape
+            or not (x.flags.c_contiguous and y.flags.c_contiguous and y.flags.writeable)
+            or not y.size):
+        return False
+    got = _AXPY.get(kind) or _numpy_axpy(kind)
+    if got is None:
+        return False
+    if _state["max"] != _state["cur"]:
+        for_gemm()
+    got[0](y.size, alpha, _address(x), 1, _address(y), 1)
     return True
 
 

@@ -17,6 +17,7 @@ import sys
 import numpy as np
 
 from .. import engine as _engine
+from ..ops import _blas
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "create"]
 
@@ -29,6 +30,10 @@ def _refs(holder):
 class _Holder:
     __slots__ = ("_data",)
 
+
+# plain SGD updates of at least this many elements use BLAS axpy (one pass, no temporary);
+# smaller ones NumPy's two calls (a ctypes call costs more than it saves there)
+_AXPY_MIN = 4096
 
 _h = _Holder()
 _h._data = np.empty(1)
@@ -174,7 +179,13 @@ class SGD(Optimizer):
     def step_kernel(self, w, g, st, lr, wd, t, rescale, clip, out=None, scratch=None):
         dt = w.dtype.type
         if not self.momentum and clip is None and not wd:
-            # the common case in two passes, as by hand: step = (lr * rescale) * g; w -= step
+            if w.size >= _AXPY_MIN:
+                # the common case in ONE pass over w and g: w += (-lr * rescale) * g (BLAS
+                # axpy); into a copy of w when w may not be written (same result either way)
+                dst = out if out is w else np.array(w)
+                if _blas.axpy(-lr * rescale, g, dst):
+                    return dst
+            # else in two passes, as by hand: step = (lr * rescale) * g; w -= step
             step = np.multiply(g, dt(lr * rescale), out=scratch)
             if out is None:     # a new weight array: never the scratch (its owner reuses it)
                 out = step if scratch is None else None
