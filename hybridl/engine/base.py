@@ -224,8 +224,11 @@ class Engine:
         """
         self._flush_bulk()
         w = var._writer
-        if w is not None and not w.done:
-            self._wait_op(w)
+        if w is not None:
+            if not w.done:
+                self._wait_op(w)
+            elif w is self._fresh:
+                self._waited_done(w)
         if var.exc is not None:
             raise var.exc
 
@@ -305,6 +308,14 @@ class Engine:
             pure = ("bulk", len(ops), ops[0].name if p0 is True else p0)
         self._push_op(_Op(run_bulk, reads, writes, key, max(o.priority for o in ops),
                           f"bulk[{len(ops)}]", {"bulk": True}, pure))
+
+    # the last op pushed, until something waits for it or another op is pushed (the threaded
+    # engine's synchronous-loop detection; None in engines that do not track it)
+    _fresh = None
+
+    def _waited_done(self, op):
+        """``op`` (the last op pushed) was waited for after it had finished."""
+        self._fresh = None
 
     def _execute(self, op):
         """Run one op (in whatever thread the engine chose): error passing, profiling, and when

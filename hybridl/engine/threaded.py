@@ -70,8 +70,10 @@ class ThreadedEngine(Engine):
     Synchronous loops: when the pushing thread has waited for the ops of one cost key right
     after pushing them, finding them still queued (the worker had not yet woken up), twice in a
     row, later ready ops of that key run in the pushing thread too, as tiny ops do, except
-    every 16th, which goes to the worker again to look: pushing another op before waiting for
-    it, or the worker taking it first, gives the key back to the worker. A loop such as
+    every 16th, which goes to the worker again to look. Pushing another op before waiting for
+    one (also for one that ran in the pushing thread), or the worker taking it first, gives the
+    key back to the worker: a chain of dependent ops pushed without waits stays asynchronous
+    after its first op. A loop such as
     ``loss = step(x, y); print(loss.item())`` then pays no hand-over to a worker and back
     (tens of microseconds on a small VM) for an overlap it never uses.
 
@@ -113,7 +115,8 @@ class ThreadedEngine(Engine):
         self._worker_ids = set()
         # cost key -> [average run time (s) or None, runs, sync streak, sync-inline pushes]
         self._cost = {}
-        self._fresh = None             # the last op pushed to a worker, not waited for yet
+        self._fresh = None             # the last op pushed, not waited for yet ...
+        self._fresh_inline = False     # ... and whether it ran in the pusher for a sync loop
 
     # ------------------------------------------------------------------ scheduling
     def _push_op(self, op):
@@ -181,12 +184,16 @@ class ThreadedEngine(Engine):
                     q = self._queues.get(op.key)
                     if q is not None and not q.busy and not q.heap:
                         q.busy += 1          # the device counts as busy while we run it here
+                        if not (c is not None and c < bound):
+                            self._fresh = op      # inline for the loop: until it waits for it
+                            self._fresh_inline = True
                     else:
                         q = None
             if q is None:
                 self._enqueue(op)
                 if pure and self.inline_s > 0:
                     self._fresh = op         # until the next push or a wait for it
+                    self._fresh_inline = False
                 return
         self._run_here(op, q)
 
@@ -322,26 +329,30 @@ class ThreadedEngine(Engine):
         q.busy += 1
         return heapq.heappop(q.heap)
 
+    def _waited_done(self, op):
+        """``op``, the last op pushed, was waited for after it had finished (see _note_wait)."""
+        with self._lock:
+            self._note_wait(op, None)
+
     def _note_wait(self, op, job):          # lock held
         """A thread waits for ``op`` and took ``job`` from a queue to run it itself (or None).
-        When ``op`` is the last op pushed and still sat in its queue (the waiter came before
+        When ``op`` is the last op pushed, and still sat in its queue (the waiter came before
         the worker woke up), the hand-over to the worker was wasted: count it in the sync
-        streak of its cost key; otherwise (a worker runs it) reset the streak."""
+        streak of its cost key; when it ran in the pushing thread for a synchronous loop, the
+        loop goes on; otherwise (a worker runs it, or finished it before the wait) reset it."""
         if op is not self._fresh:
             return
         self._fresh = None
         if job is op:
             op.cell[2] += 1
-        else:
+        elif not (op.done and self._fresh_inline):
             op.cell[2] = 0
 
     def _wait_op(self, op):
         lock = self._lock
         with lock:
             if op.done:
-                if op is self._fresh:       # done before the wait: the worker kept up
-                    op.cell[2] = 0
-                    self._fresh = None
+                self._note_wait(op, None)
                 return
         self._check_not_worker()
         while True:
@@ -366,6 +377,8 @@ class ThreadedEngine(Engine):
         while True:
             with lock:
                 if not self._pending:
+                    if self._fresh is not None:
+                        self._note_wait(self._fresh, None)
                     return
                 job = None
                 for q in self._queues.values():     # help: run a ready op here (see _take)
