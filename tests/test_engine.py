@@ -864,3 +864,48 @@ def test_threaded_engine_shortens_the_gil_time_slice_unless_the_program_chose_on
         assert abs(sys.getswitchinterval() - 0.001) < 1e-9
     finally:
         sys.setswitchinterval(old)
+
+
+def test_ctrl_c_in_an_op_run_by_the_main_thread_is_a_keyboard_interrupt():
+    """An op run by the main thread (inline, or taken while waiting) that gets Ctrl-C: the
+    program sees KeyboardInterrupt, as for any Ctrl-C; the op's output is marked failed (its
+    value is unknown) and waitall() does not raise it again."""
+    for eng in (ThreadedEngine(inline_s=1.0), NaiveEngine()):
+        try:
+            v, w = Var("v"), Var("w")
+            ok = {"n": 0}
+
+            def fine():
+                ok["n"] += 1
+
+            def interrupted():
+                raise KeyboardInterrupt
+
+            eng.push(fine, [], [v], DEVS[0], name="fine", pure=True)
+            eng.waitall()
+            eng.push(fine, [], [v], DEVS[0], name="fine", pure=True)   # learned: inline now
+            with pytest.raises(KeyboardInterrupt):
+                eng.push(interrupted, [], [w], DEVS[0], name="fine", pure=True)
+                eng.wait_for(w)
+            with pytest.raises(OpError) as ei:
+                eng.wait_for(w)
+            assert isinstance(ei.value.__cause__, KeyboardInterrupt)
+            eng.waitall()                       # not raised again
+            eng.push(fine, [], [v], DEVS[0], name="fine", pure=True)
+            eng.wait_for(v)
+            assert ok["n"] == 3
+        finally:
+            eng.shutdown()
+
+
+def test_after_shutdown_push_raises_and_thread_ids_are_released():
+    e = ThreadedEngine()
+    v = Var("v")
+    e.push(lambda: None, [], [v], DEVS[0], name="first")
+    e.waitall()
+    workers = set(e._worker_ids)
+    assert workers
+    e.shutdown()
+    assert not e._worker_ids                   # a new thread may get a worker's id
+    with pytest.raises(RuntimeError, match="shut down"):
+        e.push(lambda: None, [], [v], DEVS[0], name="late")

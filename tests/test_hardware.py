@@ -185,7 +185,7 @@ def test_gemm_matches_direct_numpy_timing():
             direct.append(2 * n**3 * count / (time.perf_counter() - t0) / 1e9)
         (m,) = hw.measure_gemm(n, "float32", threads=1, repeats=1, min_seconds=min_s)
         ours.append(m.value)
-    d, o = float(np.median(direct)), float(np.median(ours))
+    d, o = float(np.max(direct)), float(np.max(ours))     # best of each: load only slows
     assert m.unit == "GFLOP/s" and m.settings["threads"] == 1 and m.settings["n"] == n
     assert 0.6 * d <= o <= 1.5 * d, (direct, ours)     # wide: other processes add noise
 

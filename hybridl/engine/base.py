@@ -68,6 +68,13 @@ def _op_error(name, e):
     return err
 
 
+def _interrupted(e):
+    """Whether ``e`` is a Ctrl-C that reached an op run by the main thread (inline or while
+    waiting): it goes on to the program as KeyboardInterrupt, as any Ctrl-C; the op's outputs
+    keep an OpError (their values are unknown), and waitall() does not raise it again."""
+    return isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread()
+
+
 class OpError(RuntimeError):
     """An exception raised inside an engine op, re-raised at a sync point.
 
@@ -211,6 +218,8 @@ class Engine:
             err = _op_error(name, e)
             for o in outs:
                 o._var.exc = err
+            if _interrupted(e):
+                raise KeyboardInterrupt from None
             return err
         if cell is not None:
             _learn(cell, _cpu() - c0)
@@ -361,9 +370,11 @@ class Engine:
             for w in op.writes:
                 if not w.keep_clean:
                     w.exc = err
-            self._keep_error(err)
             if prof is not None:
                 prof.record(op.name, op.key, threading.current_thread().name, t0, t1, meta)
+            if _interrupted(e):
+                raise KeyboardInterrupt from None   # its outputs stay marked as failed
+            self._keep_error(err)
             return err
         if cell is not None:
             _learn(cell, _cpu() - c0)

@@ -134,7 +134,8 @@ class ThreadedEngine(Engine):
         writes = op.writes
         with self._lock:
             if self._stopping:
-                return
+                raise RuntimeError(f"push: the engine was shut down; op {op.name!r} would never "
+                                   f"run (make a new engine with hl.engine.set_engine)")
             f = self._fresh
             if f is not None:                # pushed something else before waiting on it:
                 f.cell[2] = 0                # the program overlaps its work with that op
@@ -264,6 +265,13 @@ class ThreadedEngine(Engine):
             q.cond.notify()
 
     def _worker(self, q):
+        try:
+            self._work(q)
+        finally:                            # a later thread may get this id: not a worker
+            with self._lock:
+                self._worker_ids.discard(threading.get_ident())
+
+    def _work(self, q):
         lock = self._lock
         op = None
         while True:

@@ -30,6 +30,7 @@ gradient GEMM and update are fused (``fuse_updates=True``, the default: one BLAS
 ``beta``, whose rounding differs in the last bit) agrees to float rounding (tests: float32,
 rtol 1e-5); ``fuse_updates=False`` gives the loop's bits.
 """
+import itertools
 import numbers
 import warnings
 
@@ -52,6 +53,9 @@ __all__ = ["TrainStep"]
 # one row of the per-call hyper-parameter input: lr, wd, t, rescale, owned, clip (nan: none)
 _HP = 6
 _TOKEN = np.zeros((), np.float32)
+# the engine's cost key of each TrainStep program: a number never reused (a new program at a
+# freed one's address must not inherit its run times)
+_PROGRAM_NUMBERS = itertools.count()
 
 
 def _update_kernel(w, g, hp, *deps, slot, step, scratch, out=None):
@@ -477,7 +481,7 @@ class TrainStep:
         e.random = prog.op.random
         flops, nbytes = _graph_cost(prog.graph)
         e.cost = {"flops": flops, "bytes": nbytes}
-        e.ckey = ("train_step", id(prog))
+        e.ckey = ("train_step", next(_PROGRAM_NUMBERS))   # not id(): ids are reused
         return e
 
     # ------------------------------------------------------------------ running
