@@ -909,3 +909,23 @@ def test_after_shutdown_push_raises_and_thread_ids_are_released():
     assert not e._worker_ids                   # a new thread may get a worker's id
     with pytest.raises(RuntimeError, match="shut down"):
         e.push(lambda: None, [], [v], DEVS[0], name="late")
+
+
+def test_shutdown_cancels_queued_ops_and_their_waiters_get_an_error():
+    """Ops still queued at shutdown (or waiting for a running one) never run; whoever waits
+    for their outputs gets an OpError saying so instead of waiting forever."""
+    e = ThreadedEngine()
+    gate, started = threading.Event(), threading.Event()
+    a, b, c = Var("a"), Var("b"), Var("c")
+    ran = []
+    e.push(lambda: (started.set(), gate.wait(10)), [], [a], DEVS[0], name="running")
+    assert started.wait(10)
+    e.push(lambda: ran.append("after"), [a], [b], DEVS[0], name="after")     # waits for it
+    e.push(lambda: ran.append("queued"), [], [c], DEVS[0], name="queued")
+    threading.Timer(0.2, gate.set).start()
+    e.shutdown(timeout=5)
+    for v in (b, c):
+        with pytest.raises(OpError, match="shut down"):
+            e.wait_for(v)
+    e.wait_for(a)                              # the running op finished normally
+    assert ran == []

@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 
-from .base import Engine, _Op
+from .base import Engine, OpError, _Op
 
 __all__ = ["ThreadedEngine"]
 
@@ -249,7 +249,9 @@ class ThreadedEngine(Engine):
 
     def _enqueue(self, op):                 # lock held
         q = self._queues.get(op.key)
-        if q is None:
+        if q is None and self._stopping:    # released by a cancelled op: cancelled in turn
+            q = self._queues[op.key] = _Queue(self._lock)
+        elif q is None:
             _set_switch_interval()
             q = self._queues[op.key] = _Queue(self._lock)
             for i in range(self.num_workers):
@@ -288,7 +290,7 @@ class ThreadedEngine(Engine):
                     finally:
                         q.sleeping -= 1
                 if self._stopping:
-                    q.heap.clear()
+                    self._cancel_queued()
                     return
                 op = heapq.heappop(q.heap)
                 q.busy += 1
@@ -405,14 +407,34 @@ class ThreadedEngine(Engine):
             self._run_here(job, q)
 
     def shutdown(self, timeout=2.0):
-        """Cancel queued ops, let running ones finish (up to ``timeout`` seconds), stop workers."""
+        """Cancel queued ops, let running ones finish (up to ``timeout`` seconds), stop workers.
+
+        A cancelled op (queued, or waiting for one that was) never runs: its outputs get an
+        OpError saying so, raised by whoever waits for them (nobody waits forever)."""
         with self._lock:
             self._stopping = True
+            self._cancel_queued()
             for q in self._queues.values():
                 q.cond.notify_all()
             threads = [t for q in self._queues.values() for t in q.threads]
         for t in threads:
             t.join(timeout)
+
+    def _cancel_queued(self):               # lock held, _stopping set
+        """Finish every queued op without running it, marking its writes with an OpError;
+        the dependents this releases are queued and cancelled in turn."""
+        while True:
+            queued = [q for q in self._queues.values() if q.heap]
+            if not queued:
+                return
+            for q in queued:
+                while q.heap:
+                    op = heapq.heappop(q.heap)
+                    err = OpError(op.name, RuntimeError(
+                        "the engine was shut down before this op ran"), "")
+                    for w in op.writes:
+                        w.exc = err
+                    self._finish(op)
 
 
 def _key_name(key):
