@@ -578,8 +578,10 @@ class TrainStep:
             if out is not None:
                 out._data = res[-1]
 
-        meta = dict(e.cost) if _engine.get_engine().profiler is not None else None
-        _engine.push(run, reads, writes, dev, 0, "train_step", meta, pure=e.ckey)
+        eng = _engine.get_engine()
+        meta = dict(e.cost) if eng.profiler is not None else None
+        # fresh lists of Vars: the engine need not copy or check them
+        eng.push_trusted(run, reads, writes, dev, 0, "train_step", meta, e.ckey)
         return (loss, out) if out is not None else loss
 
     # ------------------------------------------------------------------ introspection
