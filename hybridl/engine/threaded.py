@@ -175,8 +175,9 @@ class ThreadedEngine(Engine):
                 bound = self.inline_s
                 if type(key) is tuple and key[0] == "bulk":
                     bound *= key[1]           # a group: inline when its members would be
-                inline = c is not None and c < bound
-                if not inline and cell[2] >= _SYNC_STREAK and bound > 0:
+                tiny = c is not None and c < bound
+                inline = tiny
+                if not tiny and cell[2] >= _SYNC_STREAK and bound > 0:
                     # waited for at once, the last times: run it here, except every
                     # _SYNC_PROBE-th push, which goes to the worker to look again
                     cell[3] += 1
@@ -185,16 +186,14 @@ class ThreadedEngine(Engine):
                     q = self._queues.get(op.key)
                     if q is not None and not q.busy and not q.heap:
                         q.busy += 1          # the device counts as busy while we run it here
-                        if not (c is not None and c < bound):
-                            self._fresh = op      # inline for the loop: until it waits for it
-                            self._fresh_inline = True
+                        if not tiny:          # inline for the loop: until it waits for it
+                            self._fresh, self._fresh_inline = op, True
                     else:
                         q = None
             if q is None:
                 self._enqueue(op)
-                if pure and self.inline_s > 0:
-                    self._fresh = op         # until the next push or a wait for it
-                    self._fresh_inline = False
+                if pure and self.inline_s > 0:   # until the next push or a wait for it
+                    self._fresh, self._fresh_inline = op, False
                 return
         self._run_here(op, q)
 

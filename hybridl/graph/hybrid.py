@@ -201,13 +201,20 @@ class _Cache:
                           f"'discard'), or call it imperatively.", RuntimeWarning, stacklevel=stacklevel)
 
 
-def _run(entry, args):
-    dev = args[0].device if args else None
+def _param_arrays(params, dev):
+    """``[p.data(dev) for p in params]`` without Parameter.data's checks when the copy on
+    ``dev`` exists (the call path of every compiled call); otherwise ``data`` and its errors."""
     pvals = []
-    for p in entry.params:
+    for p in params:
         d = p._data
         a = d.get(dev) if d is not None else None
         pvals.append(a if a is not None else p.data(dev))
+    return pvals
+
+
+def _run(entry, args):
+    dev = args[0].device if args else None
+    pvals = _param_arrays(entry.params, dev)
     if entry.fwd.op is None:
         outs = entry.fwd.run(list(args) + pvals)
     else:

@@ -43,7 +43,7 @@ from ..ops import _blas
 from ..ops.registry import Op
 from . import trace as _trace
 from .autodiff import gradient
-from .hybrid import _Cache, trace_graph
+from .hybrid import _Cache, _param_arrays, trace_graph
 from .ir import Graph, Node, Symbol, TracingError, const
 from .passes import DEFAULT_PASSES, PASSES, _VIEW_OPS, run_passes
 from .program import Program, _graph_cost
@@ -524,11 +524,7 @@ class TrainStep:
         opt.rescale_grad = rescale = 1.0 / bs
         opt.num_update += 1
         clip = float("nan") if opt.clip_gradient is None else opt.clip_gradient
-        pvals = []
-        for p in e.params:                  # Parameter.data(dev) without its checks when found
-            d = p._data
-            a = d.get(dev) if d is not None else None
-            pvals.append(a if a is not None else p.data(dev))
+        pvals = _param_arrays(e.params, dev)
         weights, states, rows = [], [], []
         lr, wd = opt.lr, opt.wd
         known = tr._states

@@ -76,17 +76,28 @@ def for_gemm():
         _state["cur"] = want
 
 
-_GEMM = {}
-_AXPY = {}
 _KIND = {"f": "s", "d": "d"}
+_CBLAS = {}        # (routine, kind) -> (function, integer type) or None
 
 
-def _numpy_cblas(routine, kind, argtypes):
-    """``cblas_<kind><routine>`` of the BLAS NumPy itself is linked to (the same library,
-    threads and budget as ``np.matmul``; a second BLAS in the process would bring a second pool
-    of spinning threads), through ctypes, or None when it cannot be found. ``argtypes``: a
-    function of (integer type, real type) giving the argument types. Returns
-    ``(function, integer type)``."""
+def _argtypes(routine, itype, real):
+    import ctypes
+    p = ctypes.c_void_p
+    if routine == "gemm":      # order, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc
+        return [ctypes.c_int, ctypes.c_int, ctypes.c_int, itype, itype, itype, real, p, itype,
+                p, itype, real, p, itype]
+    return [itype, real, p, itype, p, itype]          # axpy: n, alpha, x, incx, y, incy
+
+
+def _cblas(routine, kind):
+    """``cblas_<kind><routine>`` (``gemm`` or ``axpy``; kind ``s`` or ``d``) of the BLAS NumPy
+    itself is linked to (the same library, threads and budget as ``np.matmul``; a second BLAS
+    in the process would bring a second pool of spinning threads), through ctypes, or None when
+    it cannot be found (looked up once). Returns ``(function, integer type)``."""
+    key = (routine, kind)
+    if key in _CBLAS:
+        return _CBLAS[key]
+    _CBLAS[key] = None
     try:
         import ctypes
 
@@ -101,32 +112,14 @@ def _numpy_cblas(routine, kind, argtypes):
                                 (f"cblas_{kind}{routine}", ctypes.c_int)):
                 fn = getattr(lib, name, None)
                 if fn is not None:
-                    real = ctypes.c_float if kind == "s" else ctypes.c_double
                     fn.restype = None
-                    fn.argtypes = argtypes(itype, real)
-                    return fn, itype
+                    fn.argtypes = _argtypes(routine, itype,
+                                            ctypes.c_float if kind == "s" else ctypes.c_double)
+                    _CBLAS[key] = (fn, itype)
+                    return _CBLAS[key]
     except Exception:  # noqa: BLE001 - no such library: callers fall back to NumPy
-        return None
+        pass
     return None
-
-
-def _numpy_gemm(kind):
-    """``cblas_?gemm`` through :func:`_numpy_cblas` (cached), or None."""
-    if kind not in _GEMM:
-        import ctypes
-        p = ctypes.c_void_p
-        _GEMM[kind] = _numpy_cblas("gemm", kind, lambda i, r: [ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                                              i, i, i, r, p, i, p, i, r, p, i])
-    return _GEMM[kind]
-
-
-def _numpy_axpy(kind):
-    """``cblas_?axpy`` through :func:`_numpy_cblas` (cached), or None."""
-    if kind not in _AXPY:
-        import ctypes
-        p = ctypes.c_void_p
-        _AXPY[kind] = _numpy_cblas("axpy", kind, lambda i, r: [i, r, p, i, p, i])
-    return _AXPY[kind]
 
 
 def _address(a):
@@ -145,20 +138,17 @@ def gemm_tn_accumulate(alpha, a, b, beta, c):
     one float dtype (float32 or float64). Returns False (and does nothing) when that BLAS
     function is not available or the arrays do not qualify; the caller then computes it with
     NumPy."""
-    got = _GEMM.get(_KIND.get(c.dtype.char))
-    if got is None:
-        kind = _KIND.get(c.dtype.char)
-        got = None if kind is None else _numpy_gemm(kind)
-        if got is None:
-            return False
-    if (not (a.dtype == b.dtype == c.dtype) or a.ndim != 2 or b.ndim != 2
+    kind = _KIND.get(c.dtype.char)
+    if (kind is None or not (a.dtype == b.dtype == c.dtype) or a.ndim != 2 or b.ndim != 2
             or not (a.flags.c_contiguous and b.flags.c_contiguous and c.flags.c_contiguous
                     and c.flags.writeable)
             or a.shape[0] != b.shape[0] or c.shape != (a.shape[1], b.shape[1])):
         return False
+    got = _cblas("gemm", kind)
+    if got is None:
+        return False
     (k, m), n = a.shape, b.shape[1]
-    if _state["max"] != _state["cur"]:
-        for_gemm()
+    for_gemm()
     # row-major (101); a transposed (112), b as is (111)
     got[0](101, 112, 111, m, n, k, alpha, _address(a), max(m, 1), _address(b), max(n, 1), beta,
            _address(c), max(n, 1))
@@ -178,11 +168,10 @@ def axpy(alpha, x, y):
             or not (x.flags.c_contiguous and y.flags.c_contiguous and y.flags.writeable)
             or not y.size):
         return False
-    got = _AXPY.get(kind) or _numpy_axpy(kind)
+    got = _cblas("axpy", kind)
     if got is None:
         return False
-    if _state["max"] != _state["cur"]:
-        for_gemm()
+    for_gemm()
     got[0](y.size, alpha, _address(x), 1, _address(y), 1)
     return True
 
