@@ -315,6 +315,28 @@ def test_error_stored_passed_on_and_raised(eng):
     eng.waitall()
 
 
+@pytest.mark.parametrize("make", [ThreadedEngine, NaiveEngine])
+def test_user_meta_with_a_bulk_key_keeps_error_handling(make):
+    """``meta`` is the caller's profiler figures: even ``{"bulk": True}`` must not make the
+    engine treat a plain op as its own bulk group (which skips error passing)."""
+    e = make()
+    a, b = Var("a"), Var("b")
+    ran = []
+    try:
+        try:
+            e.push(_failing_op, [], [a], DEVS[0], name="failing", meta={"bulk": True})
+        except OpError:                  # the NaiveEngine raises at the push
+            pass
+        e.push(lambda: ran.append(1), [a], [b], DEVS[0], name="reader", meta={"bulk": True})
+        with pytest.raises(OpError) as ei:
+            e.wait_for(b)
+        assert ei.value.op_name == "failing" and ran == []
+        with contextlib.suppress(OpError):
+            e.waitall()
+    finally:
+        e.shutdown() if hasattr(e, "shutdown") else None
+
+
 def test_naive_engine_raises_at_push():
     e = NaiveEngine()
     a, b = Var("a"), Var("b")

@@ -59,6 +59,10 @@ def _learn(cell, dt):
 
 _MAX_PENDING_ERRORS = 64     # errors kept for waitall(); each is also on the Vars it wrote
 
+# meta of the engine's own bulk group op: identified by identity, so that a user's meta dict
+# (even one with a "bulk" key) never turns off the error handling of a plain op
+_GROUP_META = {"bulk": True}
+
 
 def _op_error(name, e):
     """The OpError for exception ``e`` of op ``name``: the traceback text is kept, the frames
@@ -316,7 +320,7 @@ class Engine:
             p0 = ops[0].pure
             pure = ("bulk", len(ops), ops[0].name if p0 is True else p0)
         self._push_op(_Op(run_bulk, reads, writes, key, max(o.priority for o in ops),
-                          f"bulk[{len(ops)}]", {"bulk": True}, pure))
+                          f"bulk[{len(ops)}]", _GROUP_META, pure))
 
     # the last op pushed, until something waits for it or another op is pushed (the threaded
     # engine's synchronous-loop detection; None in engines that do not track it)
@@ -333,7 +337,7 @@ class Engine:
         (wall time would count waits for the GIL and, on a loaded machine, preemption); as that
         clock is a system call (~1 us), only the first run and every 8th run are timed."""
         meta = op.meta
-        if meta is not None and meta.get("bulk") is True:
+        if meta is _GROUP_META:
             # A group: each member passes/stores its own errors; the group must neither skip
             # members whose inputs are fine nor clear the errors its members stored.
             prof = self.profiler
