@@ -122,9 +122,15 @@ def _topo(heads):
     return order      # inputs before outputs
 
 
+_MODS = []      # [ndarray, ops.math] once imported (they import this module)
+
+
 def _run_backward(heads, head_grads, retain_graph, create_graph, wanted=None):
-    from . import ndarray as nd
-    from .ops import math as M
+    if not _MODS:
+        from . import ndarray
+        from .ops import math
+        _MODS[:] = [ndarray, math]
+    nd, M = _MODS
     heads = list(heads)
     if head_grads is None:
         head_grads = [None] * len(heads)
