@@ -289,7 +289,8 @@ def _train(args):
     devices = args.devices or args.device
     shard = {}
     local_batch = args.batch_size
-    if dist is not None and dist.size() > 1:
+    multi = dist is not None and dist.size() > 1      # several processes: kvstore 'dist'
+    if multi:
         # --batch-size stays the global batch: each rank takes batch / size samples of its
         # shard per step (same shuffle on every rank: the loader's seed)
         if args.batch_size % dist.size():
@@ -309,27 +310,28 @@ def _train(args):
         from .parallel import train_multi_device
         return train_multi_device(args, net, train_loader, test_loader, devices, opt_params)
     net.initialize(device=devices[0])
-    if dist is not None and dist.size() > 1:
+    if multi:
         from . import autograd, nd
         with autograd.predict_mode():       # finish deferred shapes, so that the Trainer
             net(nd.zeros((1,) + tuple(train_set[0][0].shape), device=devices[0]))  # broadcasts
     if not args.no_hybridize:                                          # rank 0's parameters
         net.hybridize()
     trainer = optim.Trainer(net.collect_params(), args.optimizer, opt_params,
-                            kvstore="dist" if dist is not None and dist.size() > 1 else None)
+                            kvstore="dist" if multi else None)
+    compiled = not args.no_hybridize and not multi     # TrainStep runs without a kvstore
+    mode = ("hybridized, compiled steps" if compiled else
+            "imperative" if args.no_hybridize else "hybridized")
     if rank0:
         print(f"hybridl train: {args.model} on {args.dataset} ({len(train_set)} train / "
               f"{len(test_set)} test images), {args.epochs} epoch(s), batch {args.batch_size}, "
               f"{args.optimizer} lr {args.lr} ({args.lr_schedule}), device {devices[0]}"
-              + (f" on each of {dist.size()} processes" if dist is not None and dist.size() > 1
-                 else "")
-              + f", {('hybridized' + ('' if dist is not None and dist.size() > 1 else ', compiled steps')) if not args.no_hybridize else 'imperative'}, "
-              f"{_engine_name()} engine", flush=True)
+              + (f" on each of {dist.size()} processes" if multi else "")
+              + f", {mode}, {_engine_name()} engine", flush=True)
     t0 = time.perf_counter()
     hist = fit(net, trainer, train_loader, test_loader, args.epochs,
                progress=not args.quiet and sys.stderr.isatty(), rank0=rank0,
                lr_schedule=lr_schedule(args, len(train_loader)),
-               compiled=not args.no_hybridize and trainer._kv_spec is None)
+               compiled=compiled)
     total = time.perf_counter() - t0
     last = hist[-1]
     if args.save and rank0:

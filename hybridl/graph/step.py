@@ -31,7 +31,6 @@ gradient GEMM and update are fused (``fuse_updates=True``, the default: one BLAS
 rtol 1e-5); ``fuse_updates=False`` gives the loop's bits.
 """
 import itertools
-import numbers
 import warnings
 
 import numpy as np
@@ -396,8 +395,6 @@ class TrainStep:
 
     # ------------------------------------------------------------------ building
     def _build(self, data, label):
-        dev = data.device
-
         want_out = self._return_outputs
 
         def fn(x, y):
@@ -499,9 +496,9 @@ class TrainStep:
                 raise ValueError(f"data: expected a batch of at least one sample (shape (N, ...)), "
                                  f"got shape {data.shape}")
         else:
+            from ..optim.trainer import check_batch_size
+            check_batch_size(batch_size)
             bs = batch_size
-            if isinstance(bs, bool) or not isinstance(bs, numbers.Real) or not bs > 0:
-                raise ValueError(f"batch_size: expected a positive number, got {bs!r}")
         cache = self._cache
         if cache.version != _trace.STRUCTURE_VERSION[0]:
             cache.entries = {}

@@ -13,6 +13,12 @@ from .optimizer import Optimizer, create
 __all__ = ["Trainer"]
 
 
+def check_batch_size(batch_size):
+    """Raise ValueError unless ``batch_size`` is a positive real number (not a bool)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Real) or not batch_size > 0:
+        raise ValueError(f"batch_size: expected a positive number, got {batch_size!r}")
+
+
 class Trainer:
     """``Trainer(params, optimizer='sgd', optimizer_params=None, kvstore=None)``.
 
@@ -116,9 +122,7 @@ class Trainer:
         Raises:
             ValueError: batch_size <= 0.
         """
-        if (isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Real)
-                or not batch_size > 0):
-            raise ValueError(f"batch_size: expected a positive number, got {batch_size!r}")
+        check_batch_size(batch_size)
         self._ignore_stale = ignore_stale_grad
         self.allreduce_grads()
         self.update(batch_size)
