@@ -185,6 +185,8 @@ def test_conv2d_errors():
         K.conv2d_grad_input(np.zeros((2, 2, 4, 4)), np.zeros((2, 3, 3, 3)), x.shape)
     with pytest.raises(ValueError, match="floating"):
         K.conv2d(x.astype(np.int64), np.zeros((2, 3, 3, 3), dtype=np.int64))
+    with pytest.raises(ValueError, match="act: expected None or 'relu', got 'tanh'"):
+        K.conv2d(x, np.zeros((2, 3, 3, 3)), act="tanh")
 
 
 # ------------------------------------------------------------------------------------------
@@ -580,6 +582,8 @@ FAST_CONV_CASES = [
     (3, 2, 5, 30, 3, 2, 12, (1, 1), (0, 0), (1, 1), 1),  # Wp > 2*OW: plain path at stride 1
     (1, 3, 8, 7, 2, 3, 3, (1, 1), (1, 1), (1, 1), 1),  # N=1
     (0, 3, 8, 7, 2, 3, 3, (1, 1), (1, 1), (1, 1), 1),  # N=0
+    (6, 3, 12, 10, 9, 3, 2, (1, 1), (0, 0), (2, 2), 1),  # no padding, dilation 2: reads x itself
+    (2, 6, 14, 14, 16, 5, 5, (1, 1), (0, 0), (1, 1), 1),  # no padding, N=2: last block copied
 ]
 
 
@@ -611,9 +615,13 @@ def test_conv_blocked_paths_match_float64_reference(case, dtype, block_bytes, mo
     dx_ref, dw_ref = grads(dy)
     tol = 2e-4 if dtype == np.float32 else 1e-10
     y = K.conv2d(x, w, b, s, p, d, g)
+    y_relu = K.conv2d(x, w, b, s, p, d, g, act="relu")
+    y_nobias = K.conv2d(x, w, None, s, p, d, g)
     dx = K.conv2d_grad_input(dy, w, x.shape, s, p, d, g)
     dw = K.conv2d_grad_weight(dy, x, w.shape, s, p, d, g)
-    for got, ref in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
+    for got, ref in ((y, y_ref), (y_relu, np.maximum(y_ref, 0)),
+                     (y_nobias, y_ref - b.astype(np.float64).reshape(-1, 1, 1)),
+                     (dx, dx_ref), (dw, dw_ref)):
         assert got.dtype == dtype and got.shape == ref.shape
         scale = max(1.0, float(np.abs(ref).max())) if ref.size else 1.0
         np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * scale)

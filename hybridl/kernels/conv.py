@@ -202,13 +202,34 @@ class _Geometry:
         self.L = self.OHb * self.Wrow  # columns per sample
         self.Kp = Cg * self.A * R * KW  # GEMM inner dimension per group
 
+    def direct(self, x):
+        """True when the wide view can read x itself: stride-1 "wide" layout, R == 1, no
+        padding, x C-contiguous. Only the last sample's last run then reads past x's end (by
+        ``(KW-1)*dw`` junk elements), so :meth:`block_views` copies just the last block."""
+        return (self.wide and self.R == 1 and self.padding == (0, 0) and self.N > 1
+                and x.flags.c_contiguous)
+
+    def block_views(self, x, nb):
+        """``view(n0, m)`` -> the read-only view V (class docstring) of samples n0 .. n0+m-1,
+        for the blocks ``range(0, N, nb)``. Without padding (:meth:`direct`) V is a view of x
+        itself for every block but the last, which reads a zero-tailed copy of its m samples;
+        otherwise of one padded copy of x."""
+        if not self.direct(x):
+            V = self.view(x)
+            return lambda n0, m: V[:, :, :, :, n0:n0 + m]
+        N = self.N
+        last = (N - 1) // nb * nb                   # first sample of the last block
+        head = self._wide_view(x[:last], np.ravel(x)) if last else None
+        tail = self.view(x[last:])
+        return lambda n0, m: tail if n0 == last else head[:, :, :, :, n0:n0 + m]
+
     def view(self, x):
         """The read-only view V (see the class docstring) on a private padded copy of x
         (or on x itself on the plain path when there is no padding and x is C-contiguous)."""
-        N, C, H, W, KW = self.N, self.C, self.H, self.W, self.KW
+        N, C, H, W = x.shape
+        KW = self.KW
         (sh, sw), (ph, pw), (dh, dw) = self.stride, self.padding, self.dilation
         Hp, Wp, R, A = self.Hp, self.Wp, self.R, self.A
-        it = x.itemsize
         if self.wide:
             Hq = self.OHb + (A - 1) * dh  # rows per phase image (== Hp when R == 1)
             Pc = R * Hq * Wp
@@ -221,9 +242,7 @@ class _Geometry:
                     rows = x[:, :, h0::R]
                     hb0 = (h0 + ph) // R
                     q[:, :, rho, hb0:hb0 + rows.shape[2], pw:pw + W] = rows
-            return as_strided(buf, (C, A, R, KW, N, self.OHb, Wp),
-                              (Pc * it, dh * Wp * it, Hq * Wp * it, dw * it, C * Pc * it, Wp * it, it),
-                              writeable=False)
+            return self._wide_view(x, buf)
         if ph or pw or not x.flags.c_contiguous:
             xp = np.zeros((N, C, Hp, Wp), dtype=x.dtype)
             xp[:, :, ph:ph + H, pw:pw + W] = x
@@ -232,6 +251,18 @@ class _Geometry:
         s = xp.strides
         return as_strided(xp, (C, self.KH, 1, KW, N, self.OH, self.OW),
                           (s[1], s[2] * dh, 0, s[3] * dw, s[0], s[2] * sh, s[3] * sw), writeable=False)
+
+    def _wide_view(self, x, buf):
+        """V of the wide layout over ``buf``, the flat phase-split padded images of x's samples
+        (``x.shape[0]`` of them; buf may be longer)."""
+        C, KW, R, A, Wp = self.C, self.KW, self.R, self.A, self.Wp
+        dh, dw = self.dilation
+        Hq = self.OHb + (A - 1) * dh
+        Pc = R * Hq * Wp
+        it = buf.itemsize
+        return as_strided(buf, (C, A, R, KW, x.shape[0], self.OHb, Wp),
+                          (Pc * it, dh * Wp * it, Hq * Wp * it, dw * it, C * Pc * it, Wp * it, it),
+                          writeable=False)
 
     def weights(self, w):
         """w as the GEMM's left operand, (G, Og*R, Kp)."""
@@ -357,13 +388,16 @@ def _check_arrays(x_name, x, w_name, w):
 # forward
 # --------------------------------------------------------------------------------------------
 
-def conv2d(x, w, b=None, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1, *, out=None):
+def conv2d(x, w, b=None, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1, *, act=None,
+           out=None):
     """2-D cross-correlation (what deep-learning libraries call convolution), NCHW.
 
     ``y[n, o, oh, ow] = b[o] + sum_{c in group(o), i, j} w[o, c, i, j] *
     xpad[n, g*Cg + c, oh*sh + i*dh, ow*sw + j*dw]`` — the definition of
     ``torch.nn.functional.conv2d``; computed by im2col + one GEMM per group and batch block
-    (Chellapilla et al. 2006; Caffe / cuDNN explicit-GEMM convolution).
+    (Chellapilla et al. 2006; Caffe / cuDNN explicit-GEMM convolution). With one group the bias
+    is folded into the GEMM (a row of ones under the columns, Caffe's "bias multiplier"), and
+    ``act='relu'`` is applied to each batch block while it is still in cache.
 
     Parameters
     ----------
@@ -372,6 +406,7 @@ def conv2d(x, w, b=None, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=
     b : ndarray (O,) or None.
     stride, padding, dilation : (int, int) (an int is accepted for both).
     groups : int, divides C and O.
+    act : None or ``'relu'``: ``y = max(conv + b, 0)``.
     out : optional ndarray (N, O, OH, OW) of x's dtype to write the result into.
 
     Returns
@@ -379,7 +414,7 @@ def conv2d(x, w, b=None, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=
     y : ndarray (N, O, OH, OW), dtype of x.
 
     Raises ValueError on wrong ndim, channel/group mismatch, non-float or mismatched dtypes,
-    kernel larger than the padded input, or a wrong bias shape.
+    kernel larger than the padded input, a wrong bias shape, or an unknown ``act``.
     """
     x = np.asarray(x)
     w = np.asarray(w)
@@ -389,35 +424,49 @@ def conv2d(x, w, b=None, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=
         b = np.asarray(b)
         if b.shape != (O,):
             raise ValueError(f"b: expected shape ({O},) (one bias per output channel), got {b.shape}")
+    if act not in (None, "relu"):
+        raise ValueError(f"act: expected None or 'relu', got {act!r}")
     check_out(out, (N, O, OH, OW), x.dtype)
     stride, padding, dilation = pair("stride", stride), pair("padding", padding), pair("dilation", dilation)
     if w.shape[2:] == (1, 1) and stride == (1, 1) and padding == (0, 0) and groups == 1:
-        return _conv1x1(x, w, b, out)
+        y = _conv1x1(x, w, b, out)
+        if act is not None:
+            np.maximum(y, 0, out=y)
+        return y
     geo = _Geometry(x.shape, w.shape, stride, padding, dilation, groups, OH, OW)
     G, R, L, Kp = geo.G, geo.R, geo.L, geo.Kp
     CK = G * Kp
-    V = geo.view(x)
     wm = geo.weights(w)
+    bias = None if b is None else b.astype(x.dtype, copy=False)
+    ones = bias is not None and G == 1          # bias as one more GEMM row (inner dim Kp + 1)
+    if ones:
+        wm = np.concatenate([wm, np.repeat(bias, R).reshape(1, O * R, 1)], axis=2)
     # write into a fresh array if the caller's out may overlap an input still being read
     shared = out is not None and any(np.may_share_memory(out, a) for a in (x, w) + ((b,) if b is not None else ()))
     y = out if out is not None and not shared else np.empty((N, O, OH, OW), dtype=x.dtype)
-    nb = _blocks(N, (CK + O * R) * L * x.itemsize)
-    cbuf = np.empty(CK * nb * L, dtype=x.dtype)
+    nb = _blocks(N, (CK + ones + O * R) * L * x.itemsize)
+    view = geo.block_views(x, nb)
+    cbuf = np.empty((CK + ones) * nb * L, dtype=x.dtype)
     gbuf = np.empty(O * R * nb * L, dtype=x.dtype)
-    bias = None if b is None else b.astype(x.dtype, copy=False)
+    vshape = (geo.C, geo.A, R, geo.KW)
     for n0 in range(0, N, nb):
         m = min(nb, N - n0)
-        cols = cbuf[:CK * m * L].reshape(V.shape[:4] + (m,) + V.shape[5:])
-        np.copyto(cols, V[:, :, :, :, n0:n0 + m])
-        # (G, Og*R, Kp) @ (G, Kp, m*L) -> (G, Og*R, m*L) == (O, R, m, OHb, Wrow)
+        cm = cbuf[:(CK + ones) * m * L]
+        np.copyto(cm[:CK * m * L].reshape(vshape + (m, geo.OHb, geo.Wrow)), view(n0, m))
+        if ones:
+            cm[CK * m * L:] = 1
+        # (G, Og*R, Kp[+1]) @ (G, Kp[+1], m*L) -> (G, Og*R, m*L) == (O, R, m, OHb, Wrow)
         res = gbuf[:O * R * m * L].reshape(G, -1, m * L)
-        np.matmul(wm, cols.reshape(G, Kp, m * L), out=res)
+        np.matmul(wm, cm.reshape(G, Kp + ones, m * L), out=res)
         res = res.reshape(O, R, m, geo.OHb, geo.Wrow)
-        for src, dst in geo.out_pairs(res, y[n0:n0 + m]):
-            if bias is None:
+        yb = y[n0:n0 + m]
+        for src, dst in geo.out_pairs(res, yb):
+            if bias is None or ones:
                 np.copyto(dst, src)
             else:
                 np.add(src, bias.reshape((O,) + (1,) * (src.ndim - 1)), out=dst)
+        if act is not None:
+            np.maximum(yb, 0, out=yb)
     if y is not out and out is not None:
         np.copyto(out, y)
         return out
@@ -584,16 +633,17 @@ def conv2d_grad_weight(dy, x, w_shape, stride=(1, 1), padding=(0, 0), dilation=(
     geo = _Geometry(x.shape, w_shape, stride, padding, dilation, groups, OH, OW)
     G, R, L, Kp = geo.G, geo.R, geo.L, geo.Kp
     CK = G * Kp
-    V = geo.view(x)
     nb = _blocks(N, (CK + O * R) * L * x.itemsize, _BLOCK_BYTES_GRAD)
+    view = geo.block_views(x, nb)
+    vshape = (geo.C, geo.A, R, geo.KW)
     cbuf = np.empty(CK * nb * L, dtype=x.dtype)
     dys = _DyBlocks(dy, nb, R, geo.OHb, geo.Wrow)
     acc = np.zeros((G, Kp, (O // G) * R), dtype=x.dtype)
     part = np.empty_like(acc)
     for n0 in range(0, N, nb):
         m = min(nb, N - n0)
-        cols = cbuf[:CK * m * L].reshape(V.shape[:4] + (m,) + V.shape[5:])
-        np.copyto(cols, V[:, :, :, :, n0:n0 + m])
+        cols = cbuf[:CK * m * L].reshape(vshape + (m, geo.OHb, geo.Wrow))
+        np.copyto(cols, view(n0, m))
         d, _ = dys.get(n0, m)
         # (G, Kp, m*L) @ (G, m*L, Og*R) -> (G, Kp, Og*R); junk columns and rows of d are zero
         np.matmul(cols.reshape(G, Kp, m * L), d.reshape(G, -1, m * L).transpose(0, 2, 1),

@@ -120,10 +120,8 @@ def _conv_infer(x, w, *b, stride, padding, dilation, groups, act=None):
 
 def _conv_kernel(x, w, b=None, *, stride, padding, dilation, groups, act=None, out=None):
     _blas.for_gemm()
-    y = K.conv2d(x, w, b, stride, padding, dilation, groups, out=out)
-    if act is not None:                  # fused ReLU: in place, one op and one array less
-        np.maximum(y, 0, out=y)
-    return y
+    # fused ReLU: applied per batch block in cache, one op and one array less
+    return K.conv2d(x, w, b, stride, padding, dilation, groups, act=act, out=out)
 
 
 def _conv_gx_kernel(g, w, x_shape, stride, padding, dilation, groups, out=None):
