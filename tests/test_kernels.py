@@ -506,10 +506,12 @@ def test_conv2d_property_random_geometry():
     @hyp.settings(max_examples=12, deadline=None)
     @hyp.given(st.integers(1, 2), st.integers(1, 2), st.integers(1, 3), st.integers(3, 7), st.integers(3, 7),
                st.integers(1, 3), st.integers(1, 3), st.integers(1, 2), st.integers(1, 2), st.integers(0, 1),
-               st.integers(0, 2), st.integers(1, 2), st.integers(1, 2), st.integers(0, 2**31 - 1))
-    def check(N, g, cg, H, W, KH, KW, sh, sw, ph, pw, dh, dw, seed):
+               st.integers(0, 2), st.integers(1, 2), st.integers(1, 2), st.integers(0, 2**31 - 1),
+               st.booleans(), st.booleans(), st.sampled_from([None, 1]))
+    def check(N, g, cg, H, W, KH, KW, sh, sw, ph, pw, dh, dw, seed, bias, relu, block_bytes):
         if dh * (KH - 1) + 1 > H + 2 * ph or dw * (KW - 1) + 1 > W + 2 * pw:
             return
+        from hybridl.kernels import conv as C_
         r = np.random.default_rng(seed)
         C, O = g * cg, g * 2
         x = r.standard_normal((N, C, H, W))
@@ -517,6 +519,16 @@ def test_conv2d_property_random_geometry():
         args = ((sh, sw), (ph, pw), (dh, dw), g)
         y = K.conv2d(x, w, None, *args)
         close(y, ref_conv2d(x, w, None, *args), 1e-10)
+        # bias (folded into the GEMM with one group) and the fused ReLU, in one-sample blocks too
+        b = r.standard_normal(O) if bias else None
+        saved = C_._BLOCK_BYTES
+        C_._BLOCK_BYTES = saved if block_bytes is None else block_bytes
+        try:
+            yb = K.conv2d(x, w, b, *args, act="relu" if relu else None)
+        finally:
+            C_._BLOCK_BYTES = saved
+        ref = ref_conv2d(x, w, b, *args)
+        close(yb, np.maximum(ref, 0) if relu else ref, 1e-10)
         dy = r.standard_normal(y.shape)
         # adjoint identities: <dy, conv(x, w)> = <conv_grad_input(dy), x> = <conv_grad_weight(dy), w>
         s = np.sum(dy * y)
@@ -704,3 +716,54 @@ def test_avg_pool_fast_path_matches_float64_reference(shape, k, dtype):
     assert K.avg_pool2d(np.asfortranarray(x), k, k, (0, 0), out=yo) is yo
     close(yo, y_ref, tol)
     assert not np.may_share_memory(K.avg_pool2d(x, (1, 1), (1, 1), (0, 0)), x)
+
+
+# ------------------------------------------------------------------------------------------
+# non-finite values stay where a direct convolution puts them (0 * inf in padded layouts)
+# ------------------------------------------------------------------------------------------
+
+def test_conv_inf_and_nan_do_not_leak_into_other_outputs():
+    # float64 references by einsum over windows: an inf/NaN reaches only the outputs whose
+    # window (or gradient tap) contains it; the fast layouts multiply zeros with real data
+    # (R == 2 rows per GEMM column, junk columns, zero-padded dy), where 0 * inf = NaN
+    with np.errstate(invalid="ignore"):
+        x = np.zeros((1, 1, 6, 4))
+        x[0, 0, 5, 1] = np.inf                         # forward, R == 2 (O <= 8, KH >= 3)
+        w = np.ones((1, 1, 3, 3))
+        y = K.conv2d(x, w)
+        np.testing.assert_array_equal(y[0, 0, :, 0], [0, 0, 0, np.inf])
+        xr = np.zeros((1, 1, 6, 6))
+        xr[0, 0, 5, 2] = np.nan
+        yr = K.conv2d(xr, np.ones((4, 1, 3, 3)), np.zeros(4), act="relu")
+        assert np.array_equal(np.isnan(yr).any(axis=(0, 1, 3)), [False, False, False, True])
+        for O in (4, 9):                               # weight gradient: R == 2 and wide R == 1
+            x = np.zeros((1, 1, 4, 4))
+            x[0, 0, 1, 0] = np.inf
+            dw = K.conv2d_grad_weight(np.ones((1, O, 2, 2)), x, (O, 1, 3, 3))
+            np.testing.assert_array_equal(dw[0, 0], [[np.inf, 0, 0], [np.inf, 0, 0], [0, 0, 0]])
+        w = np.zeros((1, 1, 3, 3))
+        w[0, 0, 2, 2] = np.inf                         # input gradient, stride 1
+        dx = K.conv2d_grad_input(np.ones((1, 1, 2, 2)), w, (1, 1, 4, 4))
+        np.testing.assert_array_equal(dx[0, 0], [[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, np.inf, np.inf],
+                                                 [0, 0, np.inf, np.inf]])
+
+
+def test_conv_argument_types_are_checked_not_converted():
+    x = np.ones((1, 2, 4, 4), np.float32)
+    w = np.ones((2, 2, 3, 3), np.float32)
+    with pytest.raises(ValueError, match="groups: expected an int, got float 1.5"):
+        K.conv2d(x, w, groups=1.5)
+    with pytest.raises(ValueError, match=r"padding: expected an int or a pair \(int, int\), got True"):
+        K.conv2d(x, w, padding=True)
+    with pytest.raises(ValueError, match="b: expected a floating-point array"):
+        K.conv2d(x, w, np.array([1, None], dtype=object))
+    with pytest.raises(ValueError, match="out: expected a writeable array"):
+        K.conv2d(x, w, out=np.broadcast_to(np.float32(0), (1, 2, 2, 2)))
+    from hybridl import nd
+    with pytest.raises(ValueError, match=r"conv2d: stride: expected an int or a pair \(int, int\), got 'ab'"):
+        nd.conv2d(nd.array(x), nd.array(w), stride="ab")
+    with pytest.raises(ValueError, match="conv2d: groups: expected an int, got bool True"):
+        nd.conv2d(nd.array(x), nd.array(w), groups=True)
+    # NumPy integers and a float bias of another precision are fine (the bias is cast)
+    y = K.conv2d(x, w, np.ones(2), stride=np.int64(1), padding=(np.int32(1), 1))
+    assert y.dtype == np.float32 and y.shape == (1, 2, 4, 4)

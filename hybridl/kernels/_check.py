@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["check_ndim", "check_float", "pair", "check_out"]
+__all__ = ["check_ndim", "check_float", "check_int", "pair", "check_out"]
 
 
 def check_ndim(name: str, a: np.ndarray, ndim, what: str = "") -> None:
@@ -24,15 +24,30 @@ def check_float(name: str, a: np.ndarray) -> None:
         raise ValueError(f"{name}: expected a floating-point array (float32/float64), got dtype {a.dtype}")
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def check_int(name: str, v) -> int:
+    """``v`` as an int; ValueError naming ``name`` unless it is an integer (not a bool, not a
+    float such as 1.5, which ``int()`` would silently truncate)."""
+    if not _is_int(v):
+        raise ValueError(f"{name}: expected an int, got {type(v).__name__} {v!r}")
+    return int(v)
+
+
 def pair(name: str, v) -> tuple[int, int]:
-    """Normalise an int or a 2-sequence of ints to ``(int, int)``; ValueError otherwise."""
-    if isinstance(v, (int, np.integer)):
+    """Normalise an int or a 2-sequence of ints to ``(int, int)``; ValueError naming ``name``
+    otherwise (bools, floats and strings are refused rather than converted)."""
+    if _is_int(v):
         return int(v), int(v)
     try:
         a, b = v
-        return int(a), int(b)
     except (TypeError, ValueError):
-        raise ValueError(f"{name}: expected an int or a pair (int, int), got {v!r}") from None
+        a = b = None
+    if not (_is_int(a) and _is_int(b)):
+        raise ValueError(f"{name}: expected an int or a pair (int, int), got {v!r}")
+    return int(a), int(b)
 
 
 def check_out(out, shape, dtype) -> None:
@@ -46,3 +61,6 @@ def check_out(out, shape, dtype) -> None:
             f"out: expected shape {tuple(shape)} and dtype {np.dtype(dtype)}, "
             f"got shape {out.shape} and dtype {out.dtype}"
         )
+    if not out.flags.writeable:
+        raise ValueError("out: expected a writeable array, got a read-only one "
+                         "(a broadcast view or an array with writeable=False)")

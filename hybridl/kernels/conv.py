@@ -35,6 +35,14 @@ speed) instead of ``OW``-long pieces; the price is ``Wp - OW`` junk columns per 
 are computed and dropped (the factor ``Wp/OW`` is at most 2 when this path is taken). In the
 weight gradient the junk columns of ``dy`` are zero, so they contribute nothing.
 
+Bias and ReLU (forward): with one group the bias is one more GEMM row: a row of ones under
+the block's columns and the bias as one more column of the weights (Caffe's "bias multiplier"),
+so the copy into NCHW is a plain copy, not a broadcasting add over short strided runs (at LeNet
+shapes that copy was 2-3x slower with the add). ``act='relu'`` is applied to each block's NCHW
+output while it is in cache, instead of a second pass over the whole output. Without padding,
+the wide view reads x itself (the junk columns of a channel's last run read the next
+channel's first elements, and past x's end for the last sample, whose block alone is copied).
+
 Few output channels (O <= 8 at stride 1, e.g. LeNet's first layer): OpenBLAS runs a GEMM with
 6 output rows at ~15 GFLOP/s, so each GEMM column computes 2 output rows instead of one (a
 12-row GEMM on half the columns, with a 6-row instead of 5-row kernel window; ``_Geometry``).
@@ -50,6 +58,13 @@ kernel rows is KH contiguous shifted adds into the padded gradient. Its GEMM out
 smaller than ``dcols`` and it needs KW times fewer scatter-adds. Other strides use the plain
 col2im, which loops only over the ``KH*KW`` kernel offsets, each adding one strided slice.
 
+Non-finite values: the row-blocked weights, the junk columns and the zero-padded dy multiply
+zeros with real data, and ``0 * inf`` is NaN, which would put NaN where a direct convolution
+(PyTorch's) has a finite value. So each kernel first checks the one operand that could leak
+(x for the forward with R == 2 and for the weight gradient on the wide layout, w for the input
+gradient; one ``np.sum``, finite or not) and, when it holds inf or NaN, uses the exact layout
+(plain im2col, col2im), whose zeros meet only zeros.
+
 No path loops in Python over pixels or samples, only over batch blocks and kernel offsets.
 """
 
@@ -58,7 +73,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from ._check import check_float, check_ndim, check_out, pair
+from ._check import check_float, check_int, check_ndim, check_out, pair
 
 __all__ = ["conv2d", "conv2d_grad_input", "conv2d_grad_weight", "im2col", "conv2d_output_shape",
            "set_cols_cache_bytes"]
@@ -124,7 +139,7 @@ def conv2d_output_shape(x_shape, w_shape, stride=(1, 1), padding=(0, 0), dilatio
     sh, sw = pair("stride", stride)
     ph, pw = pair("padding", padding)
     dh, dw = pair("dilation", dilation)
-    groups = int(groups)
+    groups = check_int("groups", groups)
     if groups < 1:
         raise ValueError(f"groups: expected a positive int, got {groups}")
     if sh < 1 or sw < 1:
@@ -185,7 +200,7 @@ class _Geometry:
       Output rows ``>= OH`` (when R does not divide OH) are junk.
     """
 
-    def __init__(self, x_shape, w_shape, stride, padding, dilation, groups, OH, OW):
+    def __init__(self, x_shape, w_shape, stride, padding, dilation, groups, OH, OW, exact=False):
         N, C, H, W = x_shape
         O, Cg, KH, KW = w_shape
         self.N, self.C, self.H, self.W, self.O, self.Cg, self.KH, self.KW = N, C, H, W, O, Cg, KH, KW
@@ -194,7 +209,8 @@ class _Geometry:
         self.OH, self.OW = OH, OW
         ph, pw = padding
         self.Hp, self.Wp = H + 2 * ph, W + 2 * pw
-        self.wide = _use_wide(stride[0], stride[1], self.Wp, OW)
+        # exact: the plain layout, no junk columns and no zero-padded weights (non-finite data)
+        self.wide = not exact and _use_wide(stride[0], stride[1], self.Wp, OW)
         R = self.R = _rows_per_col(O, KH, stride, dilation, self.wide)
         self.A = -(-(KH + R - 1) // R)
         self.OHb = -(-OH // R)
@@ -301,6 +317,13 @@ class _Geometry:
         return pairs
 
 
+def _finite(a):
+    """False when ``a`` may hold an inf or NaN (its sum is not finite; a sum that overflows
+    also says False, which only costs the exact layout). One pass, no copy."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.isfinite(np.sum(a)))
+
+
 def _padded(x, ph, pw):
     """Zero-padded copy (N, C, Hp, Wp) of x; x itself when nothing to add."""
     N, C, H, W = x.shape
@@ -403,7 +426,7 @@ def conv2d(x, w, b=None, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=
     ----------
     x : ndarray (N, C, H, W), float32 or float64.
     w : ndarray (O, C // groups, KH, KW), same dtype as x.
-    b : ndarray (O,) or None.
+    b : ndarray (O,) of a float dtype (cast to x's), or None.
     stride, padding, dilation : (int, int) (an int is accepted for both).
     groups : int, divides C and O.
     act : None or ``'relu'``: ``y = max(conv + b, 0)``.
@@ -422,6 +445,7 @@ def conv2d(x, w, b=None, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=
     _check_arrays("x", x, "w", w)
     if b is not None:
         b = np.asarray(b)
+        check_float("b", b)
         if b.shape != (O,):
             raise ValueError(f"b: expected shape ({O},) (one bias per output channel), got {b.shape}")
     if act not in (None, "relu"):
@@ -434,6 +458,8 @@ def conv2d(x, w, b=None, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=
             np.maximum(y, 0, out=y)
         return y
     geo = _Geometry(x.shape, w.shape, stride, padding, dilation, groups, OH, OW)
+    if geo.R > 1 and not _finite(x):        # 0 * inf in the zero-padded weights: exact layout
+        geo = _Geometry(x.shape, w.shape, stride, padding, dilation, groups, OH, OW, exact=True)
     G, R, L, Kp = geo.G, geo.R, geo.L, geo.Kp
     CK = G * Kp
     wm = geo.weights(w)
@@ -545,7 +571,7 @@ def conv2d_grad_input(dy, w, x_shape, stride=(1, 1), padding=(0, 0), dilation=(1
     it = dy.itemsize
     shared = out is not None and (np.may_share_memory(out, dy) or np.may_share_memory(out, w))
     dx = out if out is not None and not shared else np.empty(x_shape, dtype=dy.dtype)
-    if _use_wide(sh, sw, Wp, OW):
+    if _use_wide(sh, sw, Wp, OW) and _finite(w):     # (zero dy padding * inf w: col2im path)
         # row-Toeplitz: dyP (O, m, OH, Wp) holds dy at columns [s0, s0 + OW), zeros elsewhere
         # (Wp == s0 + OW for stride 1); D[o, j, q] = dyP_flat[o, q + (KW-1-j)*dw] (a shift past a
         # row's end reads the next row's leading zeros == the padding);
@@ -631,6 +657,8 @@ def conv2d_grad_weight(dy, x, w_shape, stride=(1, 1), padding=(0, 0), dilation=(
     check_out(out, w_shape, x.dtype)
     stride, padding, dilation = pair("stride", stride), pair("padding", padding), pair("dilation", dilation)
     geo = _Geometry(x.shape, w_shape, stride, padding, dilation, groups, OH, OW)
+    if geo.wide and not _finite(x):         # junk columns (real x) * zero dy: exact layout
+        geo = _Geometry(x.shape, w_shape, stride, padding, dilation, groups, OH, OW, exact=True)
     G, R, L, Kp = geo.G, geo.R, geo.L, geo.Kp
     CK = G * Kp
     nb = _blocks(N, (CK + O * R) * L * x.itemsize, _BLOCK_BYTES_GRAD)

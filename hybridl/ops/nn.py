@@ -5,6 +5,7 @@ gradients are ops too, so a backward pass is asynchronous and traceable.
 import numpy as np
 
 from .. import kernels as K
+from ..kernels._check import check_int, pair
 from . import _blas
 from ._util import check_float, norm_axis, numel
 from .dispatch import apply
@@ -96,12 +97,17 @@ def softmax_cross_entropy(logits, labels):
 
 
 def _pair(v, name, arg):
-    if isinstance(v, (int, np.integer)):
-        return (int(v), int(v))
-    v = tuple(int(a) for a in v)
-    if len(v) != 2:
-        raise ValueError(f"{name}: {arg} must be an int or a pair of ints, got {v}")
-    return v
+    try:
+        return pair(arg, v)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+
+
+def _int(v, name, arg):
+    try:
+        return check_int(arg, v)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
 
 
 def _conv_infer(x, w, *b, stride, padding, dilation, groups, act=None):
@@ -175,7 +181,7 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, act=
             unknown act.
     """
     attrs = dict(stride=_pair(stride, "conv2d", "stride"), padding=_pair(padding, "conv2d", "padding"),
-                 dilation=_pair(dilation, "conv2d", "dilation"), groups=int(groups))
+                 dilation=_pair(dilation, "conv2d", "dilation"), groups=_int(groups, "conv2d", "groups"))
     if act is not None:
         attrs["act"] = act
     if bias is None:
