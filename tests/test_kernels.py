@@ -631,9 +631,11 @@ def test_conv_blocked_paths_match_float64_reference(case, dtype, block_bytes, mo
     y_nobias = K.conv2d(x, w, None, s, p, d, g)
     dx = K.conv2d_grad_input(dy, w, x.shape, s, p, d, g)
     dw = K.conv2d_grad_weight(dy, x, w.shape, s, p, d, g)
+    dw_b, db = K.conv2d_grad_weight(dy, x, w.shape, s, p, d, g, bias=True)   # + bias gradient
     for got, ref in ((y, y_ref), (y_relu, np.maximum(y_ref, 0)),
                      (y_nobias, y_ref - b.astype(np.float64).reshape(-1, 1, 1)),
-                     (dx, dx_ref), (dw, dw_ref)):
+                     (dx, dx_ref), (dw, dw_ref), (dw_b, dw_ref),
+                     (db, dy.astype(np.float64).sum(axis=(0, 2, 3)))):
         assert got.dtype == dtype and got.shape == ref.shape
         scale = max(1.0, float(np.abs(ref).max())) if ref.size else 1.0
         np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * scale)

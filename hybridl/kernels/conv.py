@@ -627,7 +627,8 @@ def conv2d_grad_input(dy, w, x_shape, stride=(1, 1), padding=(0, 0), dilation=(1
     return dx
 
 
-def conv2d_grad_weight(dy, x, w_shape, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1, *, out=None):
+def conv2d_grad_weight(dy, x, w_shape, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1, *,
+                       bias=False, out=None):
     """Gradient of ``conv2d`` w.r.t. its weight: ``dw = dy @ im2col(x)^T`` per group, one GEMM
     over the samples and pixels of each batch block, summed over the blocks
     (Chellapilla et al. 2006; Caffe ``weight_cpu_gemm``).
@@ -640,11 +641,14 @@ def conv2d_grad_weight(dy, x, w_shape, stride=(1, 1), padding=(0, 0), dilation=(
     x : ndarray (N, C, H, W), the forward input, same dtype.
     w_shape : (O, C // groups, KH, KW).
     stride, padding, dilation, groups : as in ``conv2d``.
-    out : optional ndarray w_shape of x's dtype to write into.
+    bias : bool; also return the bias gradient ``db[o] = sum_{n, oh, ow} dy[n, o, oh, ow]``.
+        With one group it comes out of the same GEMMs (a row of ones under the columns,
+        Caffe's bias multiplier) instead of another pass over dy.
+    out : optional ndarray w_shape of x's dtype to write dw into.
 
     Returns
     -------
-    dw : ndarray w_shape, dtype of x. (The bias gradient is ``dy.sum((0, 2, 3))``.)
+    dw : ndarray w_shape, dtype of x; ``(dw, db)`` with db (O,) when ``bias``.
 
     Raises ValueError on wrong ndim/shapes/dtypes (as ``conv2d``), or dy not of the output shape.
     """
@@ -661,25 +665,31 @@ def conv2d_grad_weight(dy, x, w_shape, stride=(1, 1), padding=(0, 0), dilation=(
         geo = _Geometry(x.shape, w_shape, stride, padding, dilation, groups, OH, OW, exact=True)
     G, R, L, Kp = geo.G, geo.R, geo.L, geo.Kp
     CK = G * Kp
-    nb = _blocks(N, (CK + O * R) * L * x.itemsize, _BLOCK_BYTES_GRAD)
+    ones = bool(bias) and G == 1            # the bias gradient as one more GEMM row
+    nb = _blocks(N, (CK + ones + O * R) * L * x.itemsize, _BLOCK_BYTES_GRAD)
     view = geo.block_views(x, nb)
     vshape = (geo.C, geo.A, R, geo.KW)
-    cbuf = np.empty(CK * nb * L, dtype=x.dtype)
+    cbuf = np.empty((CK + ones) * nb * L, dtype=x.dtype)
     dys = _DyBlocks(dy, nb, R, geo.OHb, geo.Wrow)
-    acc = np.zeros((G, Kp, (O // G) * R), dtype=x.dtype)
+    acc = np.zeros((G, Kp + ones, (O // G) * R), dtype=x.dtype)
     part = np.empty_like(acc)
     for n0 in range(0, N, nb):
         m = min(nb, N - n0)
-        cols = cbuf[:CK * m * L].reshape(vshape + (m, geo.OHb, geo.Wrow))
-        np.copyto(cols, view(n0, m))
+        cm = cbuf[:(CK + ones) * m * L]
+        np.copyto(cm[:CK * m * L].reshape(vshape + (m, geo.OHb, geo.Wrow)), view(n0, m))
+        if ones:
+            cm[CK * m * L:] = 1
         d, _ = dys.get(n0, m)
-        # (G, Kp, m*L) @ (G, m*L, Og*R) -> (G, Kp, Og*R); junk columns and rows of d are zero
-        np.matmul(cols.reshape(G, Kp, m * L), d.reshape(G, -1, m * L).transpose(0, 2, 1),
+        # (G, Kp[+1], m*L) @ (G, m*L, Og*R) -> (G, Kp[+1], Og*R); junk columns, rows of d are 0
+        np.matmul(cm.reshape(G, Kp + ones, m * L), d.reshape(G, -1, m * L).transpose(0, 2, 1),
                   out=acc if n0 == 0 else part)
         if n0:
             acc += part
-    res = geo.fold_weight_grad(acc)
-    if out is None:
+    res = geo.fold_weight_grad(acc[:, :Kp] if ones else acc)
+    if out is not None:
+        np.copyto(out, res)
+        res = out
+    if not bias:
         return res
-    np.copyto(out, res)
-    return out
+    db = acc[0, Kp].reshape(O, R).sum(axis=1) if ones else dy.sum(axis=(0, 2, 3))
+    return res, db

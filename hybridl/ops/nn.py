@@ -135,9 +135,13 @@ def _conv_gx_kernel(g, w, x_shape, stride, padding, dilation, groups, out=None):
     return K.conv2d_grad_input(g, w, x_shape, stride, padding, dilation, groups, out=out)
 
 
-def _conv_gw_kernel(g, x, w_shape, stride, padding, dilation, groups, out=None):
+def _conv_gw_kernel(g, x, w_shape, stride, padding, dilation, groups, bias=False, out=None):
     _blas.for_gemm()
-    return K.conv2d_grad_weight(g, x, w_shape, stride, padding, dilation, groups, out=out)
+    return K.conv2d_grad_weight(g, x, w_shape, stride, padding, dilation, groups, bias=bias, out=out)
+
+
+def _conv_gw_infer(g, x, w_shape, bias=False, **a):
+    return [(w_shape, g.dtype)] + ([((w_shape[0],), g.dtype)] if bias else [])
 
 
 def _g_conv(c, g):
@@ -147,6 +151,10 @@ def _g_conv(c, g):
         g = relu_grad(g, c.outputs[0])
         a = {k: v for k, v in a.items() if k != "act"}
     gx = apply(CONV_GX, g, w, x_shape=tuple(x.shape), **a) if c.needs[0] else None
+    if len(c.inputs) == 3 and c.needs[1]:
+        # the bias gradient from the weight gradient's GEMMs (no second pass over g)
+        gw, gb = apply(CONV_GW, g, x, w_shape=tuple(w.shape), bias=True, **a)
+        return gx, gw, gb
     gw = apply(CONV_GW, g, x, w_shape=tuple(w.shape), **a) if c.needs[1] else None
     if len(c.inputs) == 3:
         return gx, gw, sum(g, axis=(0, 2, 3))
@@ -164,8 +172,7 @@ CONV = register("conv2d", _conv_kernel, _conv_infer, _g_conv, _conv_cost)
 CONV_GX = register("conv2d_grad_input", _conv_gx_kernel,
                    lambda g, w, x_shape, **a: [(x_shape, g.dtype)],
                    cost=lambda i, o, s, **a: _conv_cost([o[0], i[1]], [i[0]], s))
-CONV_GW = register("conv2d_grad_weight", _conv_gw_kernel,
-                   lambda g, x, w_shape, **a: [(w_shape, g.dtype)],
+CONV_GW = register("conv2d_grad_weight", _conv_gw_kernel, _conv_gw_infer,
                    cost=lambda i, o, s, **a: _conv_cost([i[1], o[0]], [i[0]], s))
 
 
