@@ -18,9 +18,8 @@ _DATASETS = ("digits", "mnist", "fashion-mnist")
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):                 # short message, exit code 2
-        self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: error: {message}\n")
+    def error(self, message):                 # short message (no usage block), exit code 2
+        self.exit(2, f"{self.prog}: error: {message}\n(the options: {self.prog} --help)\n")
 
 
 def _positive_int(s):

@@ -146,28 +146,39 @@ def test_copy_runs_on_copy_queue_thread():
 
 
 def test_copy_overlaps_compute():
-    """A copy of a ready array runs on the copy worker while an independent compute chain runs
-    on the device worker: their recorded intervals overlap."""
-    big = hl.nd.array(np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32))
+    """A copy of a ready array runs on the copy worker while the device's compute worker is
+    busy: the compute worker is held by an op that waits for a gate, the copies are pushed and
+    waited for, and only then is the gate opened. Were copies queued behind compute, they could
+    not finish before the gate op gave up (20 s) and the intervals would not overlap. (Before:
+    a statistical check with retries, which failed under load.)"""
+    import threading
+    big = hl.nd.array(np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32))
     big.copyto(hl.cpu(1)).wait_to_read()  # the copy worker exists before anything is timed
     hl.waitall()
-    for attempt in range(10):              # overlap depends on the OS scheduler: allow retries
-        with profiler.profile() as prof:
-            # a chain several times longer than the copies, so that a loaded machine (the
-            # whole suite on 2 cores) still runs them side by side
-            chain, _ = _slow_chain(n=256, steps=240, device=hl.cpu(1))
-            copies = [big.copyto(hl.cpu(1)) for _ in range(8)]
-            chain.wait_to_read()
-            for c in copies:
-                c.wait_to_read()
-        comp = [(e.start, e.end) for e in prof.events
-                if e.queue == "compute" and e.device == hl.cpu(1) and e.name in ("dot", "matmul")]
-        cps = [(e.start, e.end) for e in prof.events if e.queue == "copy"]
-        assert len(cps) == 8 and comp
-        assert {e.thread for e in prof.events if e.queue == "copy"} == {"hybridl-copy-cpu(1)-w0"}
-        if any(min(a[1], b[1]) > max(a[0], b[0]) for a in comp for b in cps):
-            return
-    pytest.fail("copies never overlapped compute in 10 attempts")
+    gate, started = threading.Event(), threading.Event()
+    held = hl.nd.zeros((1,), device=hl.cpu(1))
+
+    def hold():
+        started.set()
+        gate.wait(20)
+
+    with profiler.profile() as prof:
+        hl.engine.push(hold, [], [held._var], hl.cpu(1), name="gate")
+        assert started.wait(20), "the compute worker never started the gate op"
+        copies = [big.copyto(hl.cpu(1)) for _ in range(4)]
+        for c in copies:
+            c.wait_to_read()
+        copied_while_held = not gate.is_set()
+        gate.set()
+        held.wait_to_read()
+    assert copied_while_held
+    for c in copies:
+        np.testing.assert_array_equal(c.asnumpy(), big.asnumpy())
+    (g,) = [e for e in prof.events if e.name == "gate"]
+    cps = [e for e in prof.events if e.queue == "copy"]
+    assert len(cps) == 4 and g.queue == "compute" and g.thread == "hybridl-cpu(1)-w0"
+    assert {e.thread for e in cps} == {"hybridl-copy-cpu(1)-w0"}
+    assert all(g.start < e.start and e.end < g.end for e in cps)
 
 
 @pytest.mark.parametrize("make", [
