@@ -407,18 +407,21 @@ def plan_memory(graph):
     def plannable(n):
         return n.kind == "op" and n.op.out_ok and len(n.specs) == 1
 
+    def aliasing(n):            # not planned and may return views of its inputs
+        return n.kind == "op" and not plannable(n) and not n.op.fresh
+
     # values that escape to an output (directly or through aliasing ops)
     escapes = set(out_keys)
     for n in reversed(nodes):
         if n.kind != "op":
             continue
-        if not plannable(n) and any(o.key() in escapes for o in n.outputs()):
+        if aliasing(n) and any(o.key() in escapes for o in n.outputs()):
             for s in n.inputs:
                 escapes.add(s.key())
     # lifetime end of each value, extended through aliasing consumers
     end = dict(last_use)
     for n in reversed(nodes):
-        if n.kind != "op" or plannable(n):
+        if not aliasing(n):
             continue
         e = max((end.get(o.key(), pos[n.id]) for o in n.outputs()), default=pos[n.id])
         for s in n.inputs:
@@ -437,7 +440,7 @@ def plan_memory(graph):
             if n.op.name not in _VIEW_OPS:
                 plan.naive_bytes += int(np.prod(shape)) * dt.itemsize
         if not plannable(n) or n.outputs()[0].key() in escapes:
-            if not plannable(n):        # may return views: its outputs alias its inputs' buffers
+            if aliasing(n):             # may return views: its outputs alias its inputs' buffers
                 bufs = set().union(*(alias.get(s.key(), ()) for s in n.inputs))
                 for o in n.outputs():
                     alias[o.key()] = bufs

@@ -174,6 +174,7 @@ CONV_GX = register("conv2d_grad_input", _conv_gx_kernel,
                    cost=lambda i, o, s, **a: _conv_cost([o[0], i[1]], [i[0]], s))
 CONV_GW = register("conv2d_grad_weight", _conv_gw_kernel, _conv_gw_infer,
                    cost=lambda i, o, s, **a: _conv_cost([i[1], o[0]], [i[0]], s))
+CONV_GW.fresh = True        # (dw, db) are new arrays: the planner may reuse dy's buffer after it
 
 
 def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, act=None):

@@ -17,7 +17,10 @@ An :class:`Op` bundles (DESIGN §2, after JAX's primitives and CMU needle's comp
   inline Python for a compiled program instead of a kernel call (``out``/``ins``/``buf`` are
   variable names, ``buf`` the planned output buffer or None); it must compute exactly what the
   kernel computes. None when the node does not qualify (see :mod:`hybridl.graph.codegen`);
-* ``priority``: the engine priority of the op's pushes (compiled segments set their upward rank).
+* ``priority``: the engine priority of the op's pushes (compiled segments set their upward rank);
+* ``fresh``: the kernel always returns new arrays, never views of its inputs (default False).
+  The memory planner assumes an op it cannot place (no ``out=``, several outputs) may return
+  views, which keeps its inputs' buffers alive as long as its outputs; ``fresh`` lifts that.
 """
 __all__ = ["Op", "register", "OPS", "GradCtx"]
 
@@ -26,7 +29,7 @@ OPS = {}
 
 class Op:
     __slots__ = ("name", "kernel", "infer", "grad", "cost", "n_out", "ew", "differentiable",
-                 "random", "out_ok", "priority", "emit", "__weakref__")
+                 "random", "out_ok", "priority", "emit", "fresh", "__weakref__")
 
     def __init__(self, name, kernel, infer, grad=None, cost=None, n_out=1, ew=None,
                  differentiable=True, random=False):
@@ -41,6 +44,10 @@ class Op:
         self.random = random     # reads and writes the engine RNG Var
         self.priority = 0        # engine priority of its ops (a program segment's critical path)
         self.emit = None         # optional inline code for compiled programs (graph.codegen)
+        # outputs are always new arrays, never views of the inputs (lets the memory planner
+        # end the inputs' lifetimes at this op even when it cannot place the outputs itself,
+        # e.g. an op with several outputs)
+        self.fresh = False
         try:
             import inspect
             self.out_ok = "out" in inspect.signature(kernel).parameters
