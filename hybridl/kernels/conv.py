@@ -13,8 +13,8 @@ The column matrix of a whole batch is ~KH*KW times the input (11 MiB for LeNet's
 batch 128): building it in memory and streaming it through the GEMM is bound by memory bandwidth.
 Every kernel therefore walks the batch in blocks of ``nb`` samples, ``nb`` chosen so that one
 block's column matrix and GEMM output stay within ``_BLOCK_BYTES`` (``_BLOCK_BYTES_GRAD`` for
-the gradients; about the L2 cache): the block's columns are written, multiplied and dropped
-while still in cache, in buffers allocated once per call. This measured 1.5-2x faster than one
+the gradients; 1.5 and 3 MiB, a few times the L2 and far inside the L3): the block's columns
+are written, multiplied and dropped while still in cache, in buffers allocated once per call. This measured 1.5-2x faster than one
 whole-batch GEMM at LeNet shapes.
 (A whole-batch forward->backward column cache was used before; with blocked columns,
 re-building a block in cache is cheaper than storing the full matrix and validating it, so the
@@ -83,12 +83,14 @@ __all__ = ["conv2d", "conv2d_grad_input", "conv2d_grad_weight", "im2col", "conv2
 # tuning: batch block size; the former forward->backward column cache (now a no-op setting)
 # --------------------------------------------------------------------------------------------
 
-# Budget (bytes) of one batch block's working set (its column matrix plus GEMM output): about
-# the L2 cache, so a block is written, multiplied and dropped while still cached. Measured on the
-# 2-core dev VM (1 MiB L2/core, 32 MiB L3, LeNet shapes, batch 128): 1.5-3 MiB blocks 1.5-2x
-# faster than the whole batch at once, 768 KiB ones lose to per-block call overhead. The forward
-# also re-reads its GEMM output (the copy into NCHW) and is best at 1.5 MiB; the gradients,
-# whose GEMM outputs are small, at 3 MiB (fewer, larger GEMM calls).
+# Budget (bytes) of one batch block's working set (its column matrix plus GEMM output): a few
+# times the L2 and far inside the L3, so a block is written, multiplied and dropped while still
+# cached. Measured on the 2-core dev VM (512 KiB L2/core, 32 MiB L3, LeNet shapes, batch 128):
+# 1.5-3 MiB blocks 1.5-2x faster than the whole batch at once; 256-768 KiB ones (L2-sized) lose
+# to per-block call overhead and smaller GEMMs (re-measured 2026-11-30: conv2 forward 2.5 ms at
+# 1.5 MiB, 2.8 ms at 768 KiB, 3.8 ms at 256 KiB). The forward also re-reads its GEMM output
+# (the copy into NCHW) and is best at 1.5 MiB; the gradients, whose GEMM outputs are small, at
+# 3 MiB (fewer, larger GEMM calls).
 _BLOCK_BYTES = 3 << 19
 _BLOCK_BYTES_GRAD = 3 << 20
 _CACHE_MAX_BYTES = [64 << 20]
