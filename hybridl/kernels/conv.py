@@ -14,8 +14,8 @@ batch 128): building it in memory and streaming it through the GEMM is bound by 
 Every kernel therefore walks the batch in blocks of ``nb`` samples, ``nb`` chosen so that one
 block's column matrix and GEMM output stay within ``_BLOCK_BYTES`` (``_BLOCK_BYTES_GRAD`` for
 the gradients; 1.5 and 3 MiB, a few times the L2 and far inside the L3): the block's columns
-are written, multiplied and dropped while still in cache, in buffers allocated once per call. This measured 1.5-2x faster than one
-whole-batch GEMM at LeNet shapes.
+are written, multiplied and dropped while still in cache, in buffers allocated once per call.
+This measured 1.5-2x faster than one whole-batch GEMM at LeNet shapes.
 (A whole-batch forward->backward column cache was used before; with blocked columns,
 re-building a block in cache is cheaper than storing the full matrix and validating it, so the
 cache is gone and ``set_cols_cache_bytes`` is kept only as a compatible no-op setting.)
