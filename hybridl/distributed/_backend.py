@@ -216,25 +216,6 @@ def push_collective(fn, reads=(), writes=(), name="collective", nbytes=0, priori
     return seq
 
 
-_BUFFERS = {}        # (element count, dtype) -> reused communication buffer (few, LRU)
-
-
-def comm_buffer(n, dtype):
-    """A reused 1-D buffer of ``n`` elements for a collective (communication thread only).
-
-    MPI libraries register the memory they move and cache that by address, so reusing a buffer
-    is much cheaper than a fresh one per call; callers copy results out. At most 8 sizes are
-    kept (least recently used dropped)."""
-    key = (int(n), np.dtype(dtype).str)
-    buf = _BUFFERS.pop(key, None)
-    if buf is None:
-        buf = np.empty(int(n), dtype=dtype)
-        while len(_BUFFERS) >= 8:
-            _BUFFERS.pop(next(iter(_BUFFERS)))
-    _BUFFERS[key] = buf
-    return buf
-
-
 def mpi_op(op):
     """The MPI reduction op for ``'sum' | 'max' | 'min' | 'prod'``."""
     MPI = state.mpi
