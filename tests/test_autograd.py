@@ -681,3 +681,33 @@ def test_fully_connected_fused_eager_gradient_equals_composed(xshape, flatten, a
         res.append([g.asnumpy() for g in autograd.grad(loss, vs, create_graph=create)])
     for a, c in zip(*res):
         np.testing.assert_array_equal(a, c)
+
+
+def test_second_order_through_a_conv_bias_gradient_with_the_weight_trained():
+    # create_graph=True keeps the bias gradient a differentiable sum (the eager backward
+    # otherwise takes it from conv2d_grad_weight, which has no second-order rule)
+    from hybridl import nd
+    rng = np.random.default_rng(0)
+    x0 = rng.standard_normal((2, 2, 4, 4))
+    w0 = rng.standard_normal((3, 2, 3, 3))
+    b0 = rng.standard_normal(3)
+
+    def penalty(xv):                       # s = sum_o (dL/db_o)^2, L = sum(conv(x)^2)
+        y = hl.kernels.conv2d(xv, w0, b0, (1, 1), (1, 1))
+        return float(np.sum((2 * y.sum(axis=(0, 2, 3))) ** 2))
+
+    x, w, b = nd.array(x0), nd.array(w0), nd.array(b0)
+    for a in (x, w, b):
+        a.attach_grad()
+    with autograd.record():
+        y = nd.conv2d(x, w, b, padding=1)
+        gb = autograd.grad(nd.sum(y * y), b, create_graph=True)
+        s = nd.sum(gb * gb)
+    s.backward()
+    np.testing.assert_allclose(gb.asnumpy(), 2 * y.asnumpy().sum(axis=(0, 2, 3)), rtol=1e-10)
+    eps, gx = 1e-6, x.grad.asnumpy()
+    for idx in [(0, 0, 0, 0), (1, 1, 2, 3), (0, 1, 3, 1)]:
+        d = np.zeros_like(x0)
+        d[idx] = eps
+        fd = (penalty(x0 + d) - penalty(x0 - d)) / (2 * eps)
+        np.testing.assert_allclose(gx[idx], fd, rtol=1e-5)

@@ -468,3 +468,29 @@ def test_jit_gradients_match_eager():
     np.testing.assert_allclose(gx0, gx1, rtol=1e-12)
     np.testing.assert_allclose(gw0, gw1, rtol=1e-12)
     assert f.last_program.backward is not None
+
+
+def test_create_graph_through_a_hybridized_block_raises_instead_of_dropping_terms():
+    # the compiled backward has no gradient of its own: a gradient penalty built on it used to
+    # be treated as a constant (weight.grad equal with and without the penalty), silently
+    from hybridl import autograd, nd, nn
+    xv = np.random.default_rng(0).standard_normal((2, 4))
+    net = nn.HybridSequential()
+    net.add(nn.Dense(3, activation="tanh", in_units=4, dtype="float64"))
+    net.initialize()
+    net.hybridize()
+    x = nd.array(xv)
+    with autograd.record():
+        loss = nd.sum(net(x) ** 2)
+        with pytest.raises(NotImplementedError, match=r"create_graph=True.*hybridize\(False\)"):
+            autograd.grad(loss, net[0].weight.data(), create_graph=True)
+    net.hybridize(False)                      # the way out named in the message: eager works
+    grads = []
+    for penalty in (False, True):
+        with autograd.record():
+            loss = nd.sum(net(x) ** 2)
+            g = autograd.grad(loss, net[0].weight.data(), create_graph=True)
+            tot = loss + nd.sum(g * g) if penalty else loss
+        tot.backward()
+        grads.append(net[0].weight.grad().asnumpy().copy())
+    assert not np.allclose(grads[0], grads[1])

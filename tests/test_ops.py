@@ -966,3 +966,14 @@ def test_take_raise_errors_at_sync_point_and_engine_keeps_working(engine):
         ok = nd.take(x, nd.array([3, -4]), mode="raise")
         np.testing.assert_array_equal(A(ok), A(x)[[3, 0]])
         np.testing.assert_array_equal(A(x + 1), A(x) + 1)
+
+
+def test_square_and_power_of_bool_store_the_declared_bool_dtype():
+    # NumPy computes both in int8; the arrays declared bool must hold bool (and equal values)
+    a = np.array([True, False, True, False])
+    b = np.array([True, True, False, False])
+    for got, want in ((hl.nd.square(hl.nd.array(a)), a),
+                      (hl.nd.power(hl.nd.array(a), hl.nd.array(b)), np.power(a, b).astype(bool))):
+        v = got.asnumpy()
+        assert got.dtype == np.dtype(bool) and v.dtype == np.dtype(bool)
+        np.testing.assert_array_equal(v, want)

@@ -153,14 +153,20 @@ def allreduce(x, op="sum", check=True):
             rank instead of a hang, a crash or mixed data; ``False`` saves that round trip.
 
     Raises:
-        TypeError: ``x`` is not an NDArray.  ValueError: unknown ``op``, or ``'mean'`` of an
-        integer array.  DistributedError (at the sync point): the ranks' arguments differ.
+        TypeError: ``x`` is not an NDArray, or not of an integer or float dtype (bool and
+        complex have no MPI reduction for every op).  ValueError: unknown ``op``, or ``'mean'``
+        of an integer array.  DistributedError (at the sync point): the ranks' arguments differ.
     """
     _check_nd(x, "allreduce")
     if op not in _OPS:
         raise ValueError(f"op: expected one of {_OPS}, got {op!r}")
     if op == "mean" and x.dtype.kind != "f":
         raise ValueError(f"op: 'mean' needs a float array, got dtype {x.dtype}")
+    if x.dtype.kind not in "fiu":
+        # MPI defines no sum/max/min/prod for bool (or max/min for complex): it would abort
+        # the whole job from inside the collective
+        raise TypeError(f"allreduce: expected an integer or float array, got dtype {x.dtype}; "
+                        f"cast it first (e.g. x.astype('int32') for a count of True values)")
     st = _backend.init()
     from ..ndarray import NDArray
     out = NDArray(x.shape, x.dtype, x.device)

@@ -111,6 +111,13 @@ def _build(fn, args, name, passes, want_grad_data, static=None, parallel_segment
     bop = bwd.op
 
     def grad(c, *ogs):
+        if autograd.is_recording():
+            # create_graph=True: the compiled backward is one op without a gradient of its
+            # own, so a higher-order graph through it would silently treat it as a constant
+            raise NotImplementedError(
+                f"second-order gradients (create_graph=True) through the hybridized block "
+                f"{name!r} are not supported: its backward is a compiled program; call "
+                f"hybridize(False) on it for higher-order gradients")
         cot = []
         for k in range(n_user):
             if not float_out[k]:

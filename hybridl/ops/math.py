@@ -101,7 +101,16 @@ def _div_kernel(a, b, out=None):
 
 
 DIV = register("divide", _div_kernel, _div_infer, _g_div, ew="({0} / {1})")
-POW = register("power", _ew2_kernel(np.power), _ew2_infer("power"), _g_pow, ew="({0} ** {1})")
+_pow_numbers = _ew2_kernel(np.power)
+
+
+def _pow_kernel(a, b, out=None):
+    if a.dtype.kind == "b" and b.dtype.kind == "b":     # NumPy has no bool loop (gives int8):
+        return np.logical_or(a, np.logical_not(b), out=out)     # a ** b == a or not b
+    return _pow_numbers(a, b, out=out)
+
+
+POW = register("power", _pow_kernel, _ew2_infer("power"), _g_pow, ew="({0} ** {1})")
 MAXIMUM = register("maximum", _ew2_kernel(np.maximum), _ew2_infer("maximum"), _g_maxmin,
                    ew="where({0} >= {1}, {0}, {1})")
 MINIMUM = register("minimum", _ew2_kernel(np.minimum), _ew2_infer("minimum"), _g_maxmin,
@@ -263,7 +272,13 @@ LOG = _u("log", _fk(np.log), lambda c, g: (divide(g, c.inputs[0]),), "log({0})")
 LOG1P = _u("log1p", _fk(np.log1p), lambda c, g: (divide(g, add(c.inputs[0], 1.0)),), "log1p({0})")
 EXPM1 = _u("expm1", _fk(np.expm1), lambda c, g: (multiply(g, add(c.outputs[0], 1.0)),), "expm1({0})")
 SQRT = _u("sqrt", _fk(np.sqrt), lambda c, g: (divide(g, multiply(c.outputs[0], 2.0)),), "sqrt({0})")
-SQUARE = register("square", lambda x, out=None: np.square(x, out=out), _same,
+def _square_kernel(x, out=None):
+    if x.dtype.kind == "b":                 # NumPy's square of bool is int8; x * x == x
+        return np.logical_and(x, x, out=out)
+    return np.square(x, out=out)
+
+
+SQUARE = register("square", _square_kernel, _same,
                   lambda c, g: (multiply(g, multiply(c.inputs[0], 2.0)),), ew="({0} * {0})")
 TANH = _u("tanh", _fk(np.tanh),
           lambda c, g: (multiply(g, subtract(1.0, square(c.outputs[0]))),), "tanh({0})")

@@ -4,6 +4,7 @@ gradients are ops too, so a backward pass is asynchronous and traceable.
 """
 import numpy as np
 
+from .. import autograd as _ag
 from .. import kernels as K
 from ..kernels._check import check_int, pair
 from . import _blas
@@ -151,8 +152,10 @@ def _g_conv(c, g):
         g = relu_grad(g, c.outputs[0])
         a = {k: v for k, v in a.items() if k != "act"}
     gx = apply(CONV_GX, g, w, x_shape=tuple(x.shape), **a) if c.needs[0] else None
-    if len(c.inputs) == 3 and c.needs[1]:
-        # the bias gradient from the weight gradient's GEMMs (no second pass over g)
+    if len(c.inputs) == 3 and c.needs[1] and not _ag._state.recording:
+        # the bias gradient from the weight gradient's GEMMs (no second pass over g); not when
+        # a higher-order graph is being recorded (create_graph=True): the sum below is
+        # differentiable, conv2d_grad_weight is not
         gw, gb = apply(CONV_GW, g, x, w_shape=tuple(w.shape), bias=True, **a)
         return gx, gw, gb
     gw = apply(CONV_GW, g, x, w_shape=tuple(w.shape), **a) if c.needs[1] else None
