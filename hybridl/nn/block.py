@@ -225,6 +225,10 @@ class HybridBlock(Block):
         Calling it again (or adding a child) clears the cache. ``hybridize(False)`` goes back
         to imperative execution. Keyword options are passed to the compiler (e.g.
         ``passes=[...]``, ``parallel_segments=True``).
+
+        The backward of a hybridized block is a compiled program without a gradient of its
+        own: ``autograd.grad(..., create_graph=True)`` through it raises NotImplementedError
+        (higher-order gradients need the block imperative).
         """
         object.__setattr__(self, "_active", bool(active))
         object.__setattr__(self, "_hybrid_flags", dict(kwargs))
