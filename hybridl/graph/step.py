@@ -472,7 +472,8 @@ class TrainStep:
         e.tindex = [index[id(p)] for p in upd]
         pos = {id(p): j for j, p in enumerate(params)}
         e.upd_pos = [pos[id(p)] for p in upd]
-        e.read_pos = [j for j in range(len(params)) if j not in set(e.upd_pos)]
+        updated = set(e.upd_pos)
+        e.read_pos = [j for j in range(len(params)) if j not in updated]
         from ..optim.optimizer import _owned     # (optim imports nn, which imports graph)
         e.owned = _owned
         e.random = prog.op.random

@@ -282,6 +282,18 @@ class _Geometry:
                           (Pc * it, dh * Wp * it, Hq * Wp * it, dw * it, C * Pc * it, Wp * it, it),
                           writeable=False)
 
+    def columns(self, cbuf, view, n0, m, ones):
+        """The GEMM operand of samples ``n0 .. n0+m-1``, written into ``cbuf``: (G, Kp [+ 1],
+        m*L), the columns of ``view(n0, m)`` (see :meth:`block_views`) and, with ``ones`` (one
+        group only), a last row of ones (the bias row of the forward and the weight gradient)."""
+        CK, L = self.G * self.Kp, self.L
+        cm = cbuf[:(CK + ones) * m * L]
+        np.copyto(cm[:CK * m * L].reshape(self.C, self.A, self.R, self.KW, m, self.OHb, self.Wrow),
+                  view(n0, m))
+        if ones:
+            cm[CK * m * L:] = 1
+        return cm.reshape(self.G, self.Kp + ones, m * L)
+
     def weights(self, w):
         """w as the GEMM's left operand, (G, Og*R, Kp)."""
         G, R = self.G, self.R
@@ -476,16 +488,11 @@ def conv2d(x, w, b=None, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=
     view = geo.block_views(x, nb)
     cbuf = np.empty((CK + ones) * nb * L, dtype=x.dtype)
     gbuf = np.empty(O * R * nb * L, dtype=x.dtype)
-    vshape = (geo.C, geo.A, R, geo.KW)
     for n0 in range(0, N, nb):
         m = min(nb, N - n0)
-        cm = cbuf[:(CK + ones) * m * L]
-        np.copyto(cm[:CK * m * L].reshape(vshape + (m, geo.OHb, geo.Wrow)), view(n0, m))
-        if ones:
-            cm[CK * m * L:] = 1
         # (G, Og*R, Kp[+1]) @ (G, Kp[+1], m*L) -> (G, Og*R, m*L) == (O, R, m, OHb, Wrow)
         res = gbuf[:O * R * m * L].reshape(G, -1, m * L)
-        np.matmul(wm, cm.reshape(G, Kp + ones, m * L), out=res)
+        np.matmul(wm, geo.columns(cbuf, view, n0, m, ones), out=res)
         res = res.reshape(O, R, m, geo.OHb, geo.Wrow)
         yb = y[n0:n0 + m]
         for src, dst in geo.out_pairs(res, yb):
@@ -670,20 +677,16 @@ def conv2d_grad_weight(dy, x, w_shape, stride=(1, 1), padding=(0, 0), dilation=(
     ones = bool(bias) and G == 1            # the bias gradient as one more GEMM row
     nb = _blocks(N, (CK + ones + O * R) * L * x.itemsize, _BLOCK_BYTES_GRAD)
     view = geo.block_views(x, nb)
-    vshape = (geo.C, geo.A, R, geo.KW)
     cbuf = np.empty((CK + ones) * nb * L, dtype=x.dtype)
     dys = _DyBlocks(dy, nb, R, geo.OHb, geo.Wrow)
     acc = np.zeros((G, Kp + ones, (O // G) * R), dtype=x.dtype)
     part = np.empty_like(acc)
     for n0 in range(0, N, nb):
         m = min(nb, N - n0)
-        cm = cbuf[:(CK + ones) * m * L]
-        np.copyto(cm[:CK * m * L].reshape(vshape + (m, geo.OHb, geo.Wrow)), view(n0, m))
-        if ones:
-            cm[CK * m * L:] = 1
+        cm = geo.columns(cbuf, view, n0, m, ones)
         d, _ = dys.get(n0, m)
         # (G, Kp[+1], m*L) @ (G, m*L, Og*R) -> (G, Kp[+1], Og*R); junk columns, rows of d are 0
-        np.matmul(cm.reshape(G, Kp + ones, m * L), d.reshape(G, -1, m * L).transpose(0, 2, 1),
+        np.matmul(cm, d.reshape(G, -1, m * L).transpose(0, 2, 1),
                   out=acc if n0 == 0 else part)
         if n0:
             acc += part

@@ -272,6 +272,8 @@ LOG = _u("log", _fk(np.log), lambda c, g: (divide(g, c.inputs[0]),), "log({0})")
 LOG1P = _u("log1p", _fk(np.log1p), lambda c, g: (divide(g, add(c.inputs[0], 1.0)),), "log1p({0})")
 EXPM1 = _u("expm1", _fk(np.expm1), lambda c, g: (multiply(g, add(c.outputs[0], 1.0)),), "expm1({0})")
 SQRT = _u("sqrt", _fk(np.sqrt), lambda c, g: (divide(g, multiply(c.outputs[0], 2.0)),), "sqrt({0})")
+
+
 def _square_kernel(x, out=None):
     if x.dtype.kind == "b":                 # NumPy's square of bool is int8; x * x == x
         return np.logical_and(x, x, out=out)

@@ -97,16 +97,10 @@ def softmax_cross_entropy(logits, labels):
 # ============================================================================ convolution
 
 
-def _pair(v, name, arg):
+def _pair(v, name, arg, check=pair):
+    """``check(arg, v)`` (the kernels' argument check) with the op ``name`` in its error."""
     try:
-        return pair(arg, v)
-    except ValueError as e:
-        raise ValueError(f"{name}: {e}") from None
-
-
-def _int(v, name, arg):
-    try:
-        return check_int(arg, v)
+        return check(arg, v)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
 
@@ -175,9 +169,9 @@ CONV = register("conv2d", _conv_kernel, _conv_infer, _g_conv, _conv_cost)
 CONV_GX = register("conv2d_grad_input", _conv_gx_kernel,
                    lambda g, w, x_shape, **a: [(x_shape, g.dtype)],
                    cost=lambda i, o, s, **a: _conv_cost([o[0], i[1]], [i[0]], s))
+# (dw, db) are new arrays: the memory planner may reuse dy's buffer after this op
 CONV_GW = register("conv2d_grad_weight", _conv_gw_kernel, _conv_gw_infer,
-                   cost=lambda i, o, s, **a: _conv_cost([i[1], o[0]], [i[0]], s))
-CONV_GW.fresh = True        # (dw, db) are new arrays: the planner may reuse dy's buffer after it
+                   cost=lambda i, o, s, **a: _conv_cost([i[1], o[0]], [i[0]], s), fresh=True)
 
 
 def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, act=None):
@@ -192,7 +186,7 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, act=
             unknown act.
     """
     attrs = dict(stride=_pair(stride, "conv2d", "stride"), padding=_pair(padding, "conv2d", "padding"),
-                 dilation=_pair(dilation, "conv2d", "dilation"), groups=_int(groups, "conv2d", "groups"))
+                 dilation=_pair(dilation, "conv2d", "dilation"), groups=_pair(groups, "conv2d", "groups", check_int))
     if act is not None:
         attrs["act"] = act
     if bias is None:

@@ -32,7 +32,7 @@ class Op:
                  "random", "out_ok", "priority", "emit", "fresh", "__weakref__")
 
     def __init__(self, name, kernel, infer, grad=None, cost=None, n_out=1, ew=None,
-                 differentiable=True, random=False):
+                 differentiable=True, random=False, fresh=False):
         self.name = name
         self.kernel = kernel
         self.infer = infer
@@ -47,7 +47,7 @@ class Op:
         # outputs are always new arrays, never views of the inputs (lets the memory planner
         # end the inputs' lifetimes at this op even when it cannot place the outputs itself,
         # e.g. an op with several outputs)
-        self.fresh = False
+        self.fresh = fresh
         try:
             import inspect
             self.out_ok = "out" in inspect.signature(kernel).parameters
@@ -77,7 +77,7 @@ def default_cost(in_shapes, out_shapes, itemsize, **attrs):
 
 
 def register(name, kernel, infer, grad=None, cost=None, n_out=1, ew=None,
-             differentiable=True, random=False):
+             differentiable=True, random=False, fresh=False):
     """Create and register an :class:`Op` under ``name`` (which must be new).
 
     Raises:
@@ -85,7 +85,7 @@ def register(name, kernel, infer, grad=None, cost=None, n_out=1, ew=None,
     """
     if name in OPS:
         raise ValueError(f"name: op {name!r} is already registered")
-    op = Op(name, kernel, infer, grad, cost, n_out, ew, differentiable, random)
+    op = Op(name, kernel, infer, grad, cost, n_out, ew, differentiable, random, fresh)
     OPS[name] = op
     return op
 

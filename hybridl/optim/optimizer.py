@@ -102,9 +102,9 @@ class Optimizer:
         array; state arrays are the optimizer's own and may be updated in place or replaced in
         ``state``. ``g`` is never written, unless it is also passed as ``scratch`` (an array
         like ``g`` the kernel may overwrite: a compiled step's gradient that dies here). ``t``
-        is the 1-based update count of this parameter; ``rescale`` and ``clip`` are the values of ``rescale_grad`` / ``clip_gradient`` when the
-        update was pushed (the op runs later: reading the attributes then would race with the
-        frontend)."""
+        is the 1-based update count of this parameter; ``rescale`` and ``clip`` are the values
+        of ``rescale_grad`` / ``clip_gradient`` when the update was pushed (the op runs later:
+        reading the attributes then would race with the frontend)."""
         raise NotImplementedError
 
     def gemm_coefficients(self, lr, wd, rescale, clip):
