@@ -39,6 +39,7 @@ from .. import autograd
 from .. import engine as _engine
 from ..ndarray import NDArray
 from ..ops import _blas
+from ..ops.math import _dot2
 from ..ops.registry import Op
 from . import trace as _trace
 from .autodiff import gradient
@@ -97,7 +98,7 @@ def _gemm_update_kernel(w, g, x, hp, *deps, slot, step, out=None):
     if coef is not None and _blas.gemm_tn_accumulate(coef[0], g, x, coef[1], w):
         return _TOKEN
     _blas.for_gemm()
-    grad = np.matmul(g.T, x)
+    grad = _dot2(g.T, x)
     return _update_kernel(w, grad, hp, slot=slot, step=step, scratch=True)
 
 

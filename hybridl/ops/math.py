@@ -734,6 +734,17 @@ def _mm_kernel(a, b, out=None):
     _blas.for_gemm()
     if a.dtype != b.dtype:
         return np.matmul(a, b, dtype=promote(a.dtype, b.dtype), out=out)
+    if a.ndim == 2 and b.ndim == 2:
+        return _dot2(a, b, out)
+    return np.matmul(a, b, out=out)
+
+
+def _dot2(a, b, out=None):
+    """``a @ b`` for 2-D operands of one dtype: ``np.dot`` makes the same BLAS call as
+    ``np.matmul`` (bit-identical results) with about 1 µs less dispatch (no ufunc machinery),
+    which is a fifth of a small GEMM's time. ``np.dot`` needs a C-contiguous ``out``."""
+    if out is None or out.flags.c_contiguous:
+        return np.dot(a, b, out=out)
     return np.matmul(a, b, out=out)
 
 
@@ -746,8 +757,8 @@ def _mm_emit(out, ins, attrs, in_specs, out_spec, buf):
     (sa, da), (sb, db) = in_specs
     if len(sa) != 2 or len(sb) != 2 or da != db or da.kind != "f":
         return None
-    o = f", out={buf}" if buf else ""
-    return [f"{out} = np.matmul({ins[0]}, {ins[1]}{o})"], True
+    o = f", out={buf}" if buf else ""          # planned buffers are C-contiguous (see _dot2)
+    return [f"{out} = np.dot({ins[0]}, {ins[1]}{o})"], True
 
 
 MATMUL.emit = _mm_emit
@@ -797,7 +808,7 @@ def _fc_kernel(x, w, b=None, flatten=True, act=None, out=None):
         dt = promote(x.dtype, w.dtype)
         x, w = x.astype(dt, copy=False), w.astype(dt, copy=False)
     if x.ndim == 2:                         # the common case: no reshapes
-        y = np.matmul(x, w.T, out=out)
+        y = _dot2(x, w.T, out)
         if b is not None:
             y += b
         if act is not None:                 # fused activation: one pass less, one op less
@@ -835,9 +846,9 @@ def _fc_grad_kernel(g, x, w, y=None, *, flatten, act, need_x, need_w, bias):
         x2 = x2.astype(g2.dtype)
     _blas.for_gemm()
     res = []
-    gw = np.matmul(g2.T, x2) if need_w else None
+    gw = _dot2(g2.T, x2) if need_w else None
     if need_x:
-        res.append(np.matmul(g2, w).reshape(x.shape))
+        res.append(_dot2(g2, w).reshape(x.shape))
     if need_w:
         res.append(gw)
     if bias:
@@ -898,8 +909,8 @@ def _fc_emit(out, ins, attrs, in_specs, out_spec, buf):
     results) when x is 2-D and every operand has the output's float dtype."""
     if len(in_specs[0][0]) != 2 or any(d != out_spec[1] for _, d in in_specs) or out_spec[1].kind != "f":
         return None
-    o = f", out={buf}" if buf else ""
-    lines = [f"{out} = np.matmul({ins[0]}, {ins[1]}.T{o})"]
+    o = f", out={buf}" if buf else ""          # planned buffers are C-contiguous (see _dot2)
+    lines = [f"{out} = np.dot({ins[0]}, {ins[1]}.T{o})"]
     if len(ins) == 3:
         lines.append(f"{out} += {ins[2]}")
     if attrs.get("act") is not None:
