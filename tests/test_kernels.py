@@ -392,6 +392,39 @@ def test_softmax_cross_entropy():
         K.softmax_cross_entropy(logits[0], labels)
 
 
+@pytest.mark.parametrize("dt", [np.int8, np.int32, np.int64, np.uint8, np.uint16, ">i8", ">i4"])
+def test_softmax_cross_entropy_label_range_every_int_dtype(dt):
+    # the range check views signed labels as unsigned (one reduction for both bounds); a
+    # non-native byte order takes the two-reduction path: every one must refuse -1 and K
+    logits = RNG.standard_normal((3, 4))
+    ok = np.array([3, 0, 2]).astype(dt)
+    ref = -np.log(K.softmax(logits))[np.arange(3), [3, 0, 2]]
+    close(K.softmax_cross_entropy(logits, ok), ref, 1e-12)
+    bad = [np.array([0, 4, 1]).astype(dt)]
+    if np.dtype(dt).kind == "i":
+        bad.append(np.array([0, -1, 1]).astype(dt))
+    for b in bad:
+        with pytest.raises(ValueError, match=r"labels: expected class indices in \[0, 4\)"):
+            K.softmax_cross_entropy_with_grad(1.0, logits, b)
+
+
+def test_softmax_cross_entropy_strided_logits_and_out():
+    # flat label positions are used for C-contiguous arrays only: strided logits and a
+    # strided out= give the same values as contiguous ones
+    big = RNG.standard_normal((6, 10))
+    logits, labels = big[::2, 1:8], RNG.integers(0, 7, 3)
+    dense = np.ascontiguousarray(logits)
+    dloss = RNG.standard_normal(3)
+    l1, g1 = K.softmax_cross_entropy_with_grad(dloss, logits, labels)
+    l2, g2 = K.softmax_cross_entropy_with_grad(dloss, dense, labels)
+    np.testing.assert_array_equal(l1, l2)
+    np.testing.assert_array_equal(g1, g2)
+    out = np.zeros((3, 14))[:, ::2]
+    K.softmax_cross_entropy_grad(dloss, logits, labels, out=out)
+    np.testing.assert_array_equal(out, g2)
+    np.testing.assert_array_equal(K.softmax_cross_entropy(logits, labels), l2)
+
+
 # ------------------------------------------------------------------------------------------
 # against torch.nn.functional (optional)
 # ------------------------------------------------------------------------------------------

@@ -368,6 +368,17 @@ def test_matmul_float64_and_int():
     np.testing.assert_array_equal(A(r), ia @ ib)
 
 
+def test_matmul_kernel_out_any_layout():
+    # 2-D products go through np.dot, which needs a C-contiguous out=: other outs fall back
+    # to np.matmul; both give np.matmul's values
+    from hybridl.ops.math import _mm_kernel
+    a, b = RNG.standard_normal((3, 4)), RNG.standard_normal((4, 5))
+    for out in (np.empty((3, 5)), np.empty((5, 3)).T, np.empty((3, 10))[:, ::2]):
+        r = _mm_kernel(a, b, out=out)
+        assert r is out
+        np.testing.assert_array_equal(out, np.matmul(a, b))
+
+
 @pytest.mark.parametrize("sa,sb", [((3, 4), (4, 5)), ((4,), (4,)), ((3, 4), (4,)),
                                    ((2, 3, 4), (4, 5)), ((2, 3, 4), (4, 2, 5)), ((4,), (4, 2, 3))])
 def test_dot(sa, sb):

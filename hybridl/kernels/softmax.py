@@ -70,6 +70,11 @@ def log_softmax(x, axis=-1, *, out=None):
     return s
 
 
+# signed -> unsigned of the same size: viewed so, a negative index is larger than any K
+_UNSIGNED = {np.dtype(a): np.dtype(b) for a, b in ((np.int8, np.uint8), (np.int16, np.uint16),
+                                                   (np.int32, np.uint32), (np.int64, np.uint64))}
+
+
 def _ce_check(logits, labels):
     logits = np.asarray(logits)
     labels = np.asarray(labels)
@@ -81,9 +86,25 @@ def _ce_check(logits, labels):
     N, K = logits.shape
     if labels.shape[0] != N:
         raise ValueError(f"labels: expected shape ({N},) to match logits.shape[0], got {labels.shape}")
-    if N and (labels.min() < 0 or labels.max() >= K):
+    u = _UNSIGNED.get(labels.dtype)          # one reduction for both bounds (see _UNSIGNED)
+    if u is not None:
+        as_u = labels.view(u)
+    else:                                   # unsigned, or signed in a non-native byte order
+        as_u = labels if labels.dtype.kind == "u" else None
+    if N and (as_u.max() >= K if as_u is not None else labels.min() < 0 or labels.max() >= K):
         raise ValueError(f"labels: expected class indices in [0, {K}), got min {labels.min()}, max {labels.max()}")
     return logits, labels
+
+
+def _labelled(a, labels, arange=None):
+    """The positions of the labelled entries ``a[n, labels[n]]`` of an (N, K) array, as an
+    index for ``a.reshape(-1)`` (``n * K + labels[n]``: 1-D fancy indexing is about twice as
+    fast as the 2-D ``a[arange(N), labels]``) when ``a`` is C-contiguous, else that pair.
+    Returns (array to index, index)."""
+    N, K = a.shape
+    if a.flags.c_contiguous:
+        return a.reshape(-1), np.add(np.arange(0, N * K, K) if K else np.zeros(N, np.intp), labels)
+    return a, (np.arange(N), labels)
 
 
 def softmax_cross_entropy(logits, labels, *, out=None):
@@ -108,7 +129,8 @@ def softmax_cross_entropy(logits, labels, *, out=None):
     m = logits.max(axis=1)
     lse = np.log(np.exp(logits - m[:, None]).sum(axis=1))
     lse += m
-    return np.subtract(lse, logits[np.arange(N), labels], out=out)
+    flat, at = _labelled(logits, labels)
+    return np.subtract(lse, flat[at], out=out)
 
 
 def softmax_cross_entropy_grad(dloss, logits, labels, *, out=None):
@@ -132,7 +154,8 @@ def softmax_cross_entropy_grad(dloss, logits, labels, *, out=None):
     dloss = _check_dloss(dloss, N)
     check_out(out, (N, K), logits.dtype)
     p = softmax(logits, axis=1, out=out)
-    p[np.arange(N), labels] -= 1
+    flat, at = _labelled(p, labels)
+    flat[at] -= 1
     return _times_dloss(p, dloss)
 
 
@@ -172,12 +195,16 @@ def softmax_cross_entropy_with_grad(dloss, logits, labels, *, unit=False):
     p = np.subtract(logits, m[:, None])
     np.exp(p, out=p)
     s = p.sum(axis=1)
-    ar = np.arange(N)
     loss = np.log(s)
     loss += m
-    loss -= logits[ar, labels]
+    flat, at = _labelled(logits, labels)
+    loss -= flat[at]
     p /= s[:, None]
-    p[ar, labels] -= 1
+    if logits.flags.c_contiguous:       # p has logits' layout: the same flat positions
+        flat = p.reshape(-1)
+    else:
+        flat, at = _labelled(p, labels)
+    flat[at] -= 1
     if not unit:
         _times_dloss(p, _check_dloss(dloss, N))
     return loss, p
