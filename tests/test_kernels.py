@@ -392,7 +392,8 @@ def test_softmax_cross_entropy():
         K.softmax_cross_entropy(logits[0], labels)
 
 
-@pytest.mark.parametrize("dt", [np.int8, np.int32, np.int64, np.uint8, np.uint16, ">i8", ">i4"])
+@pytest.mark.parametrize("dt", [np.int8, np.int32, np.int64, np.uint8, np.uint16, np.uint64, ">i8",
+                                ">i4", ">u8"])
 def test_softmax_cross_entropy_label_range_every_int_dtype(dt):
     # the range check views signed labels as unsigned (one reduction for both bounds); a
     # non-native byte order takes the two-reduction path: every one must refuse -1 and K
@@ -403,6 +404,9 @@ def test_softmax_cross_entropy_label_range_every_int_dtype(dt):
     bad = [np.array([0, 4, 1]).astype(dt)]
     if np.dtype(dt).kind == "i":
         bad.append(np.array([0, -1, 1]).astype(dt))
+    l, g = K.softmax_cross_entropy_with_grad(1.0, logits, ok)
+    close(l, ref, 1e-12)
+    close(g, K.softmax_cross_entropy_grad(1.0, logits, np.array([3, 0, 2])), 0)
     for b in bad:
         with pytest.raises(ValueError, match=r"labels: expected class indices in \[0, 4\)"):
             K.softmax_cross_entropy_with_grad(1.0, logits, b)

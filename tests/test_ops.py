@@ -377,6 +377,10 @@ def test_matmul_kernel_out_any_layout():
         r = _mm_kernel(a, b, out=out)
         assert r is out
         np.testing.assert_array_equal(out, np.matmul(a, b))
+    a32, b32 = a.astype(np.float32), b.astype(np.float32)
+    out = np.empty((3, 5))              # another float dtype than the product's: np.matmul casts
+    assert _mm_kernel(a32, b32, out=out) is out
+    np.testing.assert_array_equal(out, np.matmul(a32, b32, out=np.empty((3, 5))))
 
 
 @pytest.mark.parametrize("sa,sb", [((3, 4), (4, 5)), ((4,), (4,)), ((3, 4), (4,)),

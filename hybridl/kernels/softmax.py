@@ -103,7 +103,9 @@ def _labelled(a, labels, arange=None):
     Returns (array to index, index)."""
     N, K = a.shape
     if a.flags.c_contiguous:
-        return a.reshape(-1), np.add(np.arange(0, N * K, K) if K else np.zeros(N, np.intp), labels)
+        # as intp first: uint64 + int64 is float64 in NumPy (the labels are in [0, K) here)
+        return a.reshape(-1), np.add(np.arange(0, N * K, K) if K else np.zeros(N, np.intp),
+                                     labels.astype(np.intp, copy=False))
     return a, (np.arange(N), labels)
 
 
