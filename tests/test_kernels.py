@@ -412,6 +412,17 @@ def test_softmax_cross_entropy_label_range_every_int_dtype(dt):
             K.softmax_cross_entropy_with_grad(1.0, logits, b)
 
 
+def test_softmax_cross_entropy_large_logits_keep_precision():
+    # the labelled logit is subtracted after the shift by the row max: with max + log(sum)
+    # first, float32 rounds log(2) to 0.6875 at 1e6 and to 0 at 1e8 (torch: log 2 at both)
+    for v in (1e6, 1e8, 3e38):
+        logits = np.array([[v, v], [v, 0]], np.float32)
+        labels = np.array([0, 0])
+        want = np.array([np.log(2.0), 0.0], np.float32)
+        close(K.softmax_cross_entropy(logits, labels), want, 1e-6)
+        close(K.softmax_cross_entropy_with_grad(1.0, logits, labels)[0], want, 1e-6)
+
+
 def test_softmax_cross_entropy_strided_logits_and_out():
     # flat label positions are used for C-contiguous arrays only: strided logits and a
     # strided out= give the same values as contiguous ones

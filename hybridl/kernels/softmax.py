@@ -110,7 +110,8 @@ def _labelled(a, labels, arange=None):
 
 
 def softmax_cross_entropy(logits, labels, *, out=None):
-    """Per-sample softmax cross-entropy: ``loss_n = logsumexp(logits[n]) - logits[n, labels[n]]``
+    """Per-sample softmax cross-entropy: ``loss_n = logsumexp(logits[n]) - logits[n, labels[n]]``,
+    computed as ``log(sum(exp(z[n]))) - z[n, labels[n]]`` with ``z = logits - max(logits[n])``
     (= ``-log_softmax(logits)[n, labels[n]]``; ``torch.nn.functional.cross_entropy(reduction='none')``).
 
     Parameters
@@ -128,11 +129,14 @@ def softmax_cross_entropy(logits, labels, *, out=None):
     logits, labels = _ce_check(logits, labels)
     N = logits.shape[0]
     check_out(out, (N,), logits.dtype)
+    # log(sum(exp(z))) - z[label] with z = logits - max: the labelled logit is taken shifted
+    # (as log_softmax does), so a large max does not round log(sum) away (1e6 in float32)
     m = logits.max(axis=1)
-    lse = np.log(np.exp(logits - m[:, None]).sum(axis=1))
-    lse += m
-    flat, at = _labelled(logits, labels)
-    return np.subtract(lse, flat[at], out=out)
+    z = np.subtract(logits, m[:, None])
+    flat, at = _labelled(z, labels)
+    zl = flat[at]
+    np.exp(z, out=z)
+    return np.subtract(np.log(z.sum(axis=1)), zl, out=out)
 
 
 def softmax_cross_entropy_grad(dloss, logits, labels, *, out=None):
@@ -195,17 +199,13 @@ def softmax_cross_entropy_with_grad(dloss, logits, labels, *, unit=False):
     N = logits.shape[0]
     m = logits.max(axis=1)
     p = np.subtract(logits, m[:, None])
+    flat, at = _labelled(p, labels)
+    zl = flat[at]                       # the shifted labelled logit (see softmax_cross_entropy)
     np.exp(p, out=p)
     s = p.sum(axis=1)
     loss = np.log(s)
-    loss += m
-    flat, at = _labelled(logits, labels)
-    loss -= flat[at]
+    loss -= zl
     p /= s[:, None]
-    if logits.flags.c_contiguous:       # p has logits' layout: the same flat positions
-        flat = p.reshape(-1)
-    else:
-        flat, at = _labelled(p, labels)
     flat[at] -= 1
     if not unit:
         _times_dloss(p, _check_dloss(dloss, N))
