@@ -14,8 +14,8 @@ def _grads(seed=0, n=STEPS, shape=SHAPE):
     return [rng.standard_normal(shape) * (1 + i) for i in range(n)]
 
 
-def _param(w0, name="w", **kw):
-    p = nn.Parameter(name, w0.shape, dtype="float64", **kw)
+def _param(w0, name="w", dtype="float64", **kw):
+    p = nn.Parameter(name, w0.shape, dtype=dtype, **kw)
     p.initialize(hl.init.Zero())
     p.set_data(w0)
     return p
@@ -101,6 +101,25 @@ def test_sgd_matches_reference(kw, batch_size):
                   kw.get("nesterov", False), 1.0 / batch_size, kw.get("clip_gradient"))
     np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-12)
     assert not np.allclose(got, W0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("wd", [0.0, 0.02])
+def test_sgd_momentum_blas_path_matches_reference(dtype, wd):
+    # weights of >= 4096 elements take the BLAS momentum step (axpby + axpy, no temporaries):
+    # same values as the reference up to rounding, over several steps; the first step (no
+    # momentum yet) and a non-contiguous gradient take the NumPy path and must agree with it
+    shape = (64, 80)
+    w0 = np.random.default_rng(3).standard_normal(shape)
+    grads = [np.random.default_rng(10 + i).standard_normal(shape) for i in range(4)]
+    kw = dict(learning_rate=0.05, momentum=0.9, wd=wd)
+    got = _run("sgd", kw, grads, w0.astype(dtype), batch_size=4, dtype=dtype)
+    ref = ref_sgd(w0, grads, 0.05, 0.9, wd, False, 0.25)
+    tol = 2e-6 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(got, ref, rtol=tol, atol=tol)
+    assert optim.SGD(momentum=0.9)._momentum_blas(
+        np.zeros(shape, dtype), np.zeros((80, 64), dtype).T, np.zeros(shape, dtype), 0.1, 0.0,
+        1.0, None) is None                       # a strided gradient: not taken, nothing written
 
 
 ADAM_CASES = [

@@ -86,11 +86,13 @@ def _argtypes(routine, itype, real):
     if routine == "gemm":      # order, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc
         return [ctypes.c_int, ctypes.c_int, ctypes.c_int, itype, itype, itype, real, p, itype,
                 p, itype, real, p, itype]
+    if routine == "axpby":     # n, alpha, x, incx, beta, y, incy
+        return [itype, real, p, itype, real, p, itype]
     return [itype, real, p, itype, p, itype]          # axpy: n, alpha, x, incx, y, incy
 
 
 def _cblas(routine, kind):
-    """``cblas_<kind><routine>`` (``gemm`` or ``axpy``; kind ``s`` or ``d``) of the BLAS NumPy
+    """``cblas_<kind><routine>`` (``gemm``, ``axpy`` or ``axpby``; kind ``s`` or ``d``) of the BLAS NumPy
     itself is linked to (the same library, threads and budget as ``np.matmul``; a second BLAS
     in the process would bring a second pool of spinning threads), through ctypes, or None when
     it cannot be found (looked up once). Returns ``(function, integer type)``."""
@@ -173,6 +175,31 @@ def axpy(alpha, x, y):
         return False
     for_gemm()
     got[0](y.size, alpha, _address(x), 1, _address(y), 1)
+    return True
+
+
+def has(routine, dtype):
+    """Whether ``cblas_?<routine>`` is available for ``dtype`` (a NumPy dtype: float32 or
+    float64)."""
+    kind = _KIND.get(dtype.char)
+    return kind is not None and _cblas(routine, kind) is not None
+
+
+def axpby(alpha, x, beta, y):
+    """``y = alpha * x + beta * y`` in place in ONE pass (``?axpby``, an OpenBLAS extension:
+    NumPy needs three passes and a temporary). ``x``, ``y``: C-contiguous, same shape, one
+    float dtype; ``y`` writable. Returns False (and does nothing) when the function is not
+    available or the arrays do not qualify. Rounding as :func:`axpy`."""
+    kind = _KIND.get(y.dtype.char)
+    if (kind is None or x.dtype != y.dtype or x.shape != y.shape
+            or not (x.flags.c_contiguous and y.flags.c_contiguous and y.flags.writeable)
+            or not y.size):
+        return False
+    got = _cblas("axpby", kind)
+    if got is None:
+        return False
+    for_gemm()
+    got[0](y.size, alpha, _address(x), 1, beta, _address(y), 1)
     return True
 
 
