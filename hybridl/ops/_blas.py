@@ -157,6 +157,22 @@ def gemm_tn_accumulate(alpha, a, b, beta, c):
     return True
 
 
+def _level1(routine, x, y):
+    """``cblas_?<routine>`` for a one-pass update of ``y`` from ``x`` (C-contiguous, same
+    shape, one float dtype, ``y`` writable and not empty), or None when it is not available
+    or the arrays do not qualify."""
+    kind = _KIND.get(y.dtype.char)
+    if (kind is None or x.dtype != y.dtype or x.shape != y.shape
+            or not (x.flags.c_contiguous and y.flags.c_contiguous and y.flags.writeable)
+            or not y.size):
+        return None
+    got = _cblas(routine, kind)
+    if got is None:
+        return None
+    for_gemm()
+    return got[0]
+
+
 def axpy(alpha, x, y):
     """``y += alpha * x`` in place in ONE pass over both (BLAS ``?axpy``: no temporary for
     ``alpha * x``, as NumPy's two calls need). ``x``, ``y``: C-contiguous, same shape, one
@@ -165,16 +181,21 @@ def axpy(alpha, x, y):
 
     Each element is ``y + alpha * x`` rounded once or twice (the library may fuse the
     multiply-add), the same every run for the same size and thread budget."""
-    kind = _KIND.get(y.dtype.char)
-    if (kind is None or x.dtype != y.dtype or x.shape != y.shape
-            or not (x.flags.c_contiguous and y.flags.c_contiguous and y.flags.writeable)
-            or not y.size):
+    fn = _level1("axpy", x, y)
+    if fn is None:
         return False
-    got = _cblas("axpy", kind)
-    if got is None:
+    fn(y.size, alpha, _address(x), 1, _address(y), 1)
+    return True
+
+
+def axpby(alpha, x, beta, y):
+    """``y = alpha * x + beta * y`` in place in ONE pass (``?axpby``, an OpenBLAS extension:
+    NumPy needs three passes and a temporary). Arrays, return value and rounding as
+    :func:`axpy`."""
+    fn = _level1("axpby", x, y)
+    if fn is None:
         return False
-    for_gemm()
-    got[0](y.size, alpha, _address(x), 1, _address(y), 1)
+    fn(y.size, alpha, _address(x), 1, beta, _address(y), 1)
     return True
 
 
@@ -183,24 +204,6 @@ def has(routine, dtype):
     float64)."""
     kind = _KIND.get(dtype.char)
     return kind is not None and _cblas(routine, kind) is not None
-
-
-def axpby(alpha, x, beta, y):
-    """``y = alpha * x + beta * y`` in place in ONE pass (``?axpby``, an OpenBLAS extension:
-    NumPy needs three passes and a temporary). ``x``, ``y``: C-contiguous, same shape, one
-    float dtype; ``y`` writable. Returns False (and does nothing) when the function is not
-    available or the arrays do not qualify. Rounding as :func:`axpy`."""
-    kind = _KIND.get(y.dtype.char)
-    if (kind is None or x.dtype != y.dtype or x.shape != y.shape
-            or not (x.flags.c_contiguous and y.flags.c_contiguous and y.flags.writeable)
-            or not y.size):
-        return False
-    got = _cblas("axpby", kind)
-    if got is None:
-        return False
-    for_gemm()
-    got[0](y.size, alpha, _address(x), 1, beta, _address(y), 1)
-    return True
 
 
 def set_budget(n):
