@@ -404,9 +404,9 @@ def test_softmax_cross_entropy_label_range_every_int_dtype(dt):
     bad = [np.array([0, 4, 1]).astype(dt)]
     if np.dtype(dt).kind == "i":
         bad.append(np.array([0, -1, 1]).astype(dt))
-    l, g = K.softmax_cross_entropy_with_grad(1.0, logits, ok)
-    close(l, ref, 1e-12)
-    close(g, K.softmax_cross_entropy_grad(1.0, logits, np.array([3, 0, 2])), 0)
+    loss, grad = K.softmax_cross_entropy_with_grad(1.0, logits, ok)
+    close(loss, ref, 1e-12)
+    close(grad, K.softmax_cross_entropy_grad(1.0, logits, np.array([3, 0, 2])), 0)
     for b in bad:
         with pytest.raises(ValueError, match=r"labels: expected class indices in \[0, 4\)"):
             K.softmax_cross_entropy_with_grad(1.0, logits, b)

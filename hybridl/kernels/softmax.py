@@ -96,7 +96,7 @@ def _ce_check(logits, labels):
     return logits, labels
 
 
-def _labelled(a, labels, arange=None):
+def _labelled(a, labels):
     """The positions of the labelled entries ``a[n, labels[n]]`` of an (N, K) array, as an
     index for ``a.reshape(-1)`` (``n * K + labels[n]``: 1-D fancy indexing is about twice as
     fast as the 2-D ``a[arange(N), labels]``) when ``a`` is C-contiguous, else that pair.
