@@ -141,6 +141,61 @@ def test_adam_blas_path_matches_reference(name, wd, dtype):
     assert not st["mean"].any()                                  # ... and nothing written
 
 
+@pytest.mark.parametrize("name,kw", [("sgd", dict(learning_rate=0.1)),
+                                     ("sgd", dict(learning_rate=0.1, momentum=0.9)),
+                                     ("adam", dict(learning_rate=0.1)),
+                                     ("adamw", dict(learning_rate=0.1))])
+def test_blas_fast_paths_show_non_finite_gradients_like_numpy(name, kw):
+    # lr 0 (a warm-up's first steps): BLAS skips alpha * x when alpha is 0, which would hide an
+    # inf gradient; the BLAS paths are not taken then, and every size gives NumPy's NaN
+    for n in (8, 8192):                                  # NumPy path, BLAS path
+        opt = optim.create(name, **kw)
+        w = np.ones(n, np.float32)
+        st = {k: np.zeros(n, np.float32) for k in opt.state_names}
+        w = opt.step_kernel(w, np.ones(n, np.float32), st, 0.1, 0.0, 1, 1.0, None, out=w)
+        g = np.ones(n, np.float32)
+        g[0] = np.inf
+        with np.errstate(invalid="ignore"):
+            w = opt.step_kernel(w, g, st, 0.0, 0.0, 2, 1.0, None, out=w)
+        assert np.isnan(w[0]) and np.isfinite(w[1:]).all(), (name, n, w[:2])
+
+
+def test_adam_blas_path_squares_the_rescaled_gradient():
+    # a raw float32 gradient of 1e20 squared overflows; rescaled (1e-3) it is 1e17, whose
+    # square fits: the fast path must square after rescaling, as the NumPy path does
+    n = 8192
+    res = []
+    for clip in (None, 1e30):                            # BLAS path, NumPy path
+        opt = optim.Adam(0.01)
+        st = {"mean": np.zeros(n, np.float32), "var": np.zeros(n, np.float32)}
+        w = opt.step_kernel(np.zeros(n, np.float32), np.full(n, 1e20, np.float32), st, 0.01,
+                            0.0, 1, 1e-3, clip)
+        assert np.isfinite(st["var"]).all()
+        res.append(w)
+    np.testing.assert_allclose(res[0], res[1], rtol=1e-6)
+    np.testing.assert_allclose(res[0], -0.01, rtol=1e-5)
+
+
+def test_blas_helpers_refuse_non_native_byte_order():
+    from hybridl.ops import _blas
+    x, y = np.ones(8192, ">f4"), np.ones(8192, ">f4")
+    assert not _blas.has("axpy", y.dtype)
+    assert not _blas.axpy(2.0, x, y) and not _blas.axpby(2.0, x, 3.0, y)
+    assert (y == 1).all()
+
+
+def test_sgd_momentum_read_only_state_is_replaced():
+    # a read-only momentum buffer (set by the user) cannot be updated in place: the NumPy
+    # path replaces it instead of failing
+    opt = optim.SGD(0.1, momentum=0.9)
+    buf = np.ones(8, np.float32)
+    buf.flags.writeable = False
+    st = {"momentum": buf}
+    w = opt.step_kernel(np.ones(8, np.float32), np.ones(8, np.float32), st, 0.1, 0.0, 2, 1.0, None)
+    np.testing.assert_allclose(st["momentum"], 1.9)
+    np.testing.assert_allclose(w, 1 - 0.19, rtol=1e-6)
+
+
 ADAM_CASES = [
     dict(learning_rate=0.01),
     dict(learning_rate=0.02, beta1=0.8, beta2=0.99, epsilon=1e-6),

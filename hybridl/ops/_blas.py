@@ -77,6 +77,12 @@ def for_gemm():
 
 
 _KIND = {"f": "s", "d": "d"}
+
+
+def _kind(dtype):
+    """BLAS's letter for ``dtype`` (``s`` float32, ``d`` float64), or None for other dtypes
+    and for a non-native byte order (BLAS would read the bytes as native floats)."""
+    return _KIND.get(dtype.char) if dtype.isnative else None
 _CBLAS = {}        # (routine, kind) -> (function, integer type) or None
 
 
@@ -140,7 +146,7 @@ def gemm_tn_accumulate(alpha, a, b, beta, c):
     one float dtype (float32 or float64). Returns False (and does nothing) when that BLAS
     function is not available or the arrays do not qualify; the caller then computes it with
     NumPy."""
-    kind = _KIND.get(c.dtype.char)
+    kind = _kind(c.dtype)
     if (kind is None or not (a.dtype == b.dtype == c.dtype) or a.ndim != 2 or b.ndim != 2
             or not (a.flags.c_contiguous and b.flags.c_contiguous and c.flags.c_contiguous
                     and c.flags.writeable)
@@ -161,7 +167,7 @@ def _level1(routine, x, y):
     """``cblas_?<routine>`` for a one-pass update of ``y`` from ``x`` (C-contiguous, same
     shape, one float dtype, ``y`` writable and not empty), or None when it is not available
     or the arrays do not qualify."""
-    kind = _KIND.get(y.dtype.char)
+    kind = _kind(y.dtype)
     if (kind is None or x.dtype != y.dtype or x.shape != y.shape
             or not (x.flags.c_contiguous and y.flags.c_contiguous and y.flags.writeable)
             or not y.size):
@@ -202,7 +208,7 @@ def axpby(alpha, x, beta, y):
 def has(routine, dtype):
     """Whether ``cblas_?<routine>`` is available for ``dtype`` (a NumPy dtype: float32 or
     float64)."""
-    kind = _KIND.get(dtype.char)
+    kind = _kind(dtype)
     return kind is not None and _cblas(routine, kind) is not None
 
 

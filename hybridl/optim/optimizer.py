@@ -159,6 +159,13 @@ class Optimizer:
                      priority, f"{type(self).__name__.lower()}_update[{len(items)}]", pure=True)
 
 
+def _fast_ok(w, lr, rescale):
+    """Whether an update of ``w`` may take a BLAS fast path: big enough to gain (_AXPY_MIN
+    elements), and a nonzero step (BLAS skips ``alpha * x`` when alpha is 0, which would hide
+    a NaN or inf gradient that NumPy's ``0 * inf`` shows)."""
+    return w.size >= _AXPY_MIN and lr * rescale != 0
+
+
 class SGD(Optimizer):
     """Stochastic gradient descent with momentum, weight decay and Nesterov momentum."""
 
@@ -173,14 +180,14 @@ class SGD(Optimizer):
 
     def gemm_coefficients(self, lr, wd, rescale, clip):
         """Plain SGD (no momentum, no clipping): ``w = (1 - lr wd) w - lr rescale grad``."""
-        if self.momentum or clip is not None:
-            return None
+        if self.momentum or clip is not None or not lr * rescale:
+            return None         # lr 0: BLAS would skip the product (and a NaN gradient's NaN)
         return -lr * rescale, 1.0 - lr * wd
 
     def step_kernel(self, w, g, st, lr, wd, t, rescale, clip, out=None, scratch=None):
         dt = w.dtype.type
         if not self.momentum and clip is None and not wd:
-            if w.size >= _AXPY_MIN:
+            if w.size >= _AXPY_MIN and lr * rescale:    # (BLAS skips alpha 0, see _fast_ok)
                 # the common case in ONE pass over w and g: w += (-lr * rescale) * g (BLAS
                 # axpy); into a copy of w when w may not be written (same result either way)
                 dst = out if out is w else np.array(w)
@@ -191,7 +198,8 @@ class SGD(Optimizer):
             if out is None:     # a new weight array: never the scratch (its owner reuses it)
                 out = step if scratch is None else None
             return np.subtract(w, step, out=out)
-        if self.momentum and not self.nesterov and clip is None and t > 1 and w.size >= _AXPY_MIN:
+        if (self.momentum and not self.nesterov and clip is None and t > 1
+                and _fast_ok(w, lr, rescale)):
             res = self._momentum_blas(w, g, st["momentum"], lr, wd, rescale, out)
             if res is not None:
                 return res
@@ -199,10 +207,12 @@ class SGD(Optimizer):
         if self.momentum:
             if t == 1:
                 buf = st["momentum"] = g.copy()
-            else:
+            elif st["momentum"].flags.writeable:
                 buf = st["momentum"]
                 buf *= dt(self.momentum)
                 buf += g
+            else:                               # a read-only state (set by the user): replaced
+                buf = st["momentum"] = st["momentum"] * dt(self.momentum) + g
             g = g + dt(self.momentum) * buf if self.nesterov else buf
         step = np.multiply(g, dt(lr))
         return np.subtract(w, step, out=out if out is not None else step)
@@ -241,7 +251,7 @@ class Adam(Optimizer):
 
     def step_kernel(self, w, g, st, lr, wd, t, rescale, clip, out=None, scratch=None):
         dt = w.dtype.type
-        if clip is None and w.size >= _AXPY_MIN:
+        if clip is None and self.beta1 and self.beta2 and _fast_ok(w, lr, rescale):
             res = self._adam_blas(w, g, st, lr, wd, t, rescale, out)
             if res is not None:
                 return res
@@ -266,7 +276,7 @@ class Adam(Optimizer):
         """The Adam step with the moments updated in place, one pass each (BLAS ``?axpby``:
         ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2``), one temporary (g^2, then the
         step) and the weight update as ``?axpy`` with the bias corrections folded into the
-        coefficients: 8 passes instead of about 14 with 8 new arrays (1.7x at 2 MB). Same
+        coefficients: 9 passes instead of about 14 with 8 new arrays (1.7x at 2 MB). Same
         values up to rounding. Returns the new weight, or None, having written nothing, when
         an operand does not qualify."""
         m, v = st["mean"], st["var"]
@@ -277,14 +287,17 @@ class Adam(Optimizer):
             return None
         dt = w.dtype.type
         b1, b2 = self.beta1, self.beta2
-        r = rescale
+        r, tmp = rescale, None
         if wd and not self.decoupled:       # L2 term in the gradient: g' = rescale g + wd w
-            g = np.multiply(g, dt(rescale))
+            g = tmp = np.multiply(g, dt(rescale))
             _blas.axpy(wd, w, g)
             r = 1.0
         _blas.axpby((1 - b1) * r, g, b1, m)
-        tmp = np.square(g)
-        _blas.axpby((1 - b2) * r * r, tmp, b2, v)
+        # the rescaled gradient squared (squaring first would overflow float32 above 1.8e19)
+        if tmp is None:
+            tmp = np.multiply(g, dt(r))
+        np.square(tmp, out=tmp)
+        _blas.axpby(1 - b2, tmp, b2, v)
         # lr (m / c1) / (sqrt(v / c2) + eps), c = 1 - beta^t
         np.sqrt(v, out=tmp)
         tmp *= dt(1.0 / math.sqrt(1 - b2 ** t))
