@@ -412,6 +412,20 @@ def test_softmax_cross_entropy_label_range_every_int_dtype(dt):
             K.softmax_cross_entropy_with_grad(1.0, logits, b)
 
 
+@pytest.mark.parametrize("groups,bias", [(1, False), (1, True), (2, False)])
+def test_conv_weight_gradient_is_contiguous(groups, bias):
+    # a C-contiguous weight gradient, like the weight: the optimizers' BLAS updates need it
+    x = RNG.standard_normal((3, 4, 9, 9)).astype(np.float32)
+    w_shape = (6, 4 // groups, 3, 3)
+    dy = RNG.standard_normal((3, 6, 7, 7)).astype(np.float32)
+    r = K.conv2d_grad_weight(dy, x, w_shape, (1, 1), (0, 0), (1, 1), groups, bias=bias)
+    dw = r[0] if bias else r
+    assert dw.shape == w_shape and dw.flags.c_contiguous
+    want = K.conv2d_grad_weight(dy.astype(np.float64), x.astype(np.float64), w_shape, (1, 1),
+                                (0, 0), (1, 1), groups)
+    close(dw, want, 1e-4)
+
+
 def test_softmax_cross_entropy_large_logits_keep_precision():
     # the labelled logit is subtracted after the shift by the row max: with max + log(sum)
     # first, float32 rounds log(2) to 0.6875 at 1e6 and to 0 at 1e8 (torch: log 2 at both)

@@ -657,7 +657,8 @@ def conv2d_grad_weight(dy, x, w_shape, stride=(1, 1), padding=(0, 0), dilation=(
 
     Returns
     -------
-    dw : ndarray w_shape, dtype of x; ``(dw, db)`` with db (O,) when ``bias``.
+    dw : ndarray w_shape, dtype of x, C-contiguous (``out`` when given); ``(dw, db)`` with db
+    (O,) when ``bias``.
 
     Raises ValueError on wrong ndim/shapes/dtypes (as ``conv2d``), or dy not of the output shape.
     """
@@ -694,6 +695,8 @@ def conv2d_grad_weight(dy, x, w_shape, stride=(1, 1), padding=(0, 0), dilation=(
     if out is not None:
         np.copyto(out, res)
         res = out
+    else:   # C-contiguous, as the weight: the optimizers' one-pass BLAS updates need it (a
+        res = np.ascontiguousarray(res)     # copy the size of w, small beside the GEMMs)
     if not bias:
         return res
     db = acc[0, Kp].reshape(O, R).sum(axis=1) if ones else dy.sum(axis=(0, 2, 3))
