@@ -1,5 +1,6 @@
-"""Optimizer update benchmark: one update of every parameter of a model, hybridl vs NumPy by
-hand vs torch.optim (CPU, when installed), interleaved in one process, ratios printed.
+"""Optimizer updates: hybridl vs NumPy by hand vs torch.optim, interleaved, ratios printed.
+
+One update of every parameter of a model; torch.optim (CPU) only when torch is installed.
 
     python benchmarks/optimizers.py [--rounds 15] [--models mlp,resnet18] [--threads 1]
 
@@ -112,6 +113,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     except ImportError:
         torch = None
+        print("torch is not installed: no torch.optim column (pip install -e '.[bench]')")
     rng = np.random.default_rng(0)
     with hl.engine.blas_threads(args.threads):
         for model in models:

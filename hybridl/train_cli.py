@@ -68,8 +68,8 @@ def build_parser(prog="hybridl train"):
                    help="cosine (default): the learning rate decays from --lr to 0 over the "
                         "run, per step (Loshchilov & Hutter 2017, without restarts); constant")
     p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "adamw"))
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--wd", type=float, default=0.0)
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
+    p.add_argument("--wd", type=float, default=0.0, help="weight decay (default 0)")
     p.add_argument("--device", default="cpu:0", type=_device_list, help="e.g. cpu:0")
     p.add_argument("--devices", default=None, type=_device_list,
                    help="several devices, e.g. cpu:0,cpu:1 (data parallel by default); "
@@ -212,6 +212,10 @@ def fit(net, trainer, train_loader, test_loader, epochs, loss_fn=None, log=print
         if rank0:
             log(f"epoch {epoch:3d}  loss {rec['loss']:.4f}  train acc {rec['train_acc']:.4f}  "
                 f"test acc {rec['test_acc']:.4f}  {rec['samples_per_s']:.0f} samples/s")
+        if not math.isfinite(rec["loss"]):
+            raise FloatingPointError(
+                f"training diverged: the mean loss of epoch {epoch} is {rec['loss']} (a "
+                f"smaller learning rate usually helps)")
     return history
 
 
@@ -265,6 +269,9 @@ def main_train(argv=None):
         except OSError:
             pass
         return 141                  # 128 + SIGPIPE, as shell tools
+    except FloatingPointError as e:  # diverged: the options were valid, the run failed
+        print(f"hybridl train: error: {e}; --lr was {args.lr}", file=sys.stderr)
+        return 1
     except (FileNotFoundError, ValueError, OSError, RuntimeError) as e:
         msg = str(e).strip().splitlines()
         print(f"hybridl train: error: {type(e).__name__}: {msg[0] if msg else e}"

@@ -151,6 +151,20 @@ def test_bad_options_exit_2_with_short_message(args, needle, capsys):
     assert "epoch" not in out
 
 
+def test_diverging_training_stops_with_exit_1(capsys):
+    # a learning rate far too large: the loss becomes NaN in the first epoch; the run stops
+    # there with one clear line (exit 1: the options were valid, the run failed) instead of
+    # training on NaN for every epoch
+    from hybridl.cli import main
+    import numpy as np
+    with np.errstate(all="ignore"):
+        rc = main(["train", "--lr", "1e6", "--epochs", "3", "--quiet"])
+    out, err = capsys.readouterr()
+    assert rc == 1, (out, err)
+    assert "training diverged" in err and "--lr was 1000000.0" in err
+    assert "epoch   1" in out and "epoch   2" not in out
+
+
 def test_bad_options_in_a_real_process():
     procs = [_start("train", *args) for args, _ in BAD_OPTIONS[:5]]
     for p, (args, needle) in zip(procs, BAD_OPTIONS):
