@@ -426,6 +426,32 @@ def test_conv_weight_gradient_is_contiguous(groups, bias):
     close(dw, want, 1e-4)
 
 
+@pytest.mark.parametrize("shift,scale", [(0.0, 1.0), (1000.0, 1.0), (50.0, 1e3)])
+def test_batch_norm_float32_close_to_float64(shift, scale):
+    # the per-channel sums run as one einsum over the (N, C, rest) view and the backward
+    # never stores xhat: float32 results stay within float32 rounding of the float64 ones
+    # (float32 holds x ~ 1000 to 6e-5, so a mean of 1000 with std 1 loses 4 digits of the
+    # centred values in any float32 code: the previous kernel's dgamma was off by 2e-4 there)
+    rng = np.random.default_rng(5)
+    x64 = rng.standard_normal((64, 8, 12, 12)) * scale + shift
+    dy64, g64, b64 = rng.standard_normal(x64.shape), rng.standard_normal(8), rng.standard_normal(8)
+    y64, mu64, var64 = K.batch_norm_train(x64, g64, b64, 1e-5)
+    ref = K.batch_norm_grad(dy64, x64, g64, mu64, var64, 1e-5)
+    x, dy, g, b = (a.astype(np.float32) for a in (x64, dy64, g64, b64))
+    y, mu, var = K.batch_norm_train(x, g, b, 1e-5)
+    got = K.batch_norm_grad(dy, x, g, mu, var, 1e-5)
+    tol = 1e-3 if shift > 100 * scale else 2e-6
+    for a, r in zip((y,) + got, (y64,) + ref):
+        assert a.dtype == np.float32
+        assert np.abs(a - r).max() <= tol * np.abs(r).max()
+    # float64 against the textbook formulas
+    m = x64.mean(axis=(0, 2, 3), keepdims=True)
+    v = x64.var(axis=(0, 2, 3), keepdims=True)
+    xhat = (x64 - m) / np.sqrt(v + 1e-5)
+    close(y64, g64.reshape(1, 8, 1, 1) * xhat + b64.reshape(1, 8, 1, 1), 1e-9)
+    close(ref[1], (dy64 * xhat).sum(axis=(0, 2, 3)), 1e-9)
+
+
 def test_softmax_cross_entropy_large_logits_keep_precision():
     # the labelled logit is subtracted after the shift by the row max: with max + log(sum)
     # first, float32 rounds log(2) to 0.6875 at 1e6 and to 0 at 1e8 (torch: log 2 at both)
