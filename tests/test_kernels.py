@@ -452,6 +452,38 @@ def test_batch_norm_float32_close_to_float64(shift, scale):
     close(ref[1], (dy64 * xhat).sum(axis=(0, 2, 3)), 1e-9)
 
 
+def test_batch_norm_long_runs_empty_batch_and_float16():
+    # (1) a sample's channel of a million values: einsum alone adds it in SIMD lanes,
+    # sequentially (2.5e-6 relative for the sum, 1.2e-5 for sum(dy * xc)); summed in runs of
+    # 4096 and then pairwise it stays at float32 rounding
+    rng = np.random.default_rng(6)
+    x = (rng.standard_normal((1, 2, 1024, 1024)) + 3).astype(np.float32)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    _, mu, var = K.batch_norm_train(x, np.ones(2, "f4"), np.zeros(2, "f4"), 1e-5)
+    x64 = x.astype(np.float64)
+    assert np.abs(mu - x64.mean(axis=(0, 2, 3))).max() < 1e-6 * 3
+    assert np.abs(var / x64.var(axis=(0, 2, 3)) - 1).max() < 1e-6
+    _, dg, db = K.batch_norm_grad(dy, x, np.ones(2, "f4"), mu, var, 1e-5)
+    xhat = (x64 - x64.mean(axis=(0, 2, 3), keepdims=True)) / np.sqrt(
+        x64.var(axis=(0, 2, 3), keepdims=True) + 1e-5)
+    want = (dy * xhat).sum(axis=(0, 2, 3))
+    assert np.abs(dg - want).max() < 1e-6 * np.abs(want).max() + 1e-3
+    close(db, dy.astype(np.float64).sum(axis=(0, 2, 3)), 1e-4)
+    # (2) an empty batch: an empty y with NaN statistics, and zero gradients (as before)
+    with np.errstate(all="ignore"):
+        y, m, v = K.batch_norm_train(np.zeros((0, 3, 4, 4), "f4"), np.ones(3), np.zeros(3), 1e-5)
+    assert y.shape == (0, 3, 4, 4) and np.isnan(m).all() and np.isnan(v).all()
+    dx, dg, db = K.batch_norm_grad(np.zeros((0, 3, 4, 4), "f4"), np.zeros((0, 3, 4, 4), "f4"),
+                                   np.ones(3), m, v, 1e-5)
+    assert dx.shape == (0, 3, 4, 4) and not dg.any() and not db.any()
+    # (3) float16: statistics accumulated in float32, as NumPy's mean (a float16 sum of
+    # 16,384 values near 100 overflows)
+    x16 = (rng.standard_normal((16, 2, 32, 32)) + 100).astype(np.float16)
+    y, m, v = K.batch_norm_train(x16, np.ones(2), np.zeros(2), 1e-5)
+    assert y.dtype == np.float16 and np.isfinite(y).all()
+    close(m.astype(np.float64), x16.astype(np.float64).mean(axis=(0, 2, 3)), 1e-3)
+
+
 def test_softmax_cross_entropy_large_logits_keep_precision():
     # the labelled logit is subtracted after the shift by the row max: with max + log(sum)
     # first, float32 rounds log(2) to 0.6875 at 1e6 and to 0 at 1e8 (torch: log 2 at both)
