@@ -179,7 +179,7 @@ def batch_norm_grad(dy, x, gamma, mean, var, eps, axis=1):
     np.subtract(dy, xc, out=xc)
     xc -= (dbeta / m).reshape(bshape)
     xc *= (gamma * rstd).reshape(bshape)
-    return xc, dgamma.astype(dt, copy=False), dbeta.astype(dt, copy=False)
+    return xc, dgamma, dbeta
 
 
 def _ln_check(x, axis):

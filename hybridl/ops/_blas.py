@@ -83,6 +83,8 @@ def _kind(dtype):
     """BLAS's letter for ``dtype`` (``s`` float32, ``d`` float64), or None for other dtypes
     and for a non-native byte order (BLAS would read the bytes as native floats)."""
     return _KIND.get(dtype.char) if dtype.isnative else None
+
+
 _CBLAS = {}        # (routine, kind) -> (function, integer type) or None
 
 
@@ -163,20 +165,26 @@ def gemm_tn_accumulate(alpha, a, b, beta, c):
     return True
 
 
+def ready(arrays, written=(), routines=("axpy", "axpby")):
+    """Whether the one-pass BLAS updates ``routines`` can work on ``arrays``: one float dtype
+    (float32 or float64, native byte order), one shape, not empty, all C-contiguous, the
+    arrays of ``written`` writable, and the routines found in NumPy's BLAS."""
+    a0 = arrays[0]
+    kind = _kind(a0.dtype)
+    return (kind is not None and a0.size > 0
+            and all(a.dtype == a0.dtype and a.shape == a0.shape and a.flags.c_contiguous
+                    for a in arrays)
+            and all(a.flags.writeable for a in written)
+            and all(_cblas(r, kind) is not None for r in routines))
+
+
 def _level1(routine, x, y):
-    """``cblas_?<routine>`` for a one-pass update of ``y`` from ``x`` (C-contiguous, same
-    shape, one float dtype, ``y`` writable and not empty), or None when it is not available
-    or the arrays do not qualify."""
-    kind = _kind(y.dtype)
-    if (kind is None or x.dtype != y.dtype or x.shape != y.shape
-            or not (x.flags.c_contiguous and y.flags.c_contiguous and y.flags.writeable)
-            or not y.size):
-        return None
-    got = _cblas(routine, kind)
-    if got is None:
+    """``cblas_?<routine>`` for a one-pass update of ``y`` from ``x`` (see :func:`ready`), or
+    None when it is not available or the arrays do not qualify."""
+    if not ready((x, y), (y,), (routine,)):
         return None
     for_gemm()
-    return got[0]
+    return _cblas(routine, _kind(y.dtype))[0]
 
 
 def axpy(alpha, x, y):
@@ -203,13 +211,6 @@ def axpby(alpha, x, beta, y):
         return False
     fn(y.size, alpha, _address(x), 1, beta, _address(y), 1)
     return True
-
-
-def has(routine, dtype):
-    """Whether ``cblas_?<routine>`` is available for ``dtype`` (a NumPy dtype: float32 or
-    float64)."""
-    kind = _kind(dtype)
-    return kind is not None and _cblas(routine, kind) is not None
 
 
 def set_budget(n):

@@ -44,10 +44,7 @@ class Op:
         self.random = random     # reads and writes the engine RNG Var
         self.priority = 0        # engine priority of its ops (a program segment's critical path)
         self.emit = None         # optional inline code for compiled programs (graph.codegen)
-        # outputs are always new arrays, never views of the inputs (lets the memory planner
-        # end the inputs' lifetimes at this op even when it cannot place the outputs itself,
-        # e.g. an op with several outputs)
-        self.fresh = fresh
+        self.fresh = fresh       # outputs never views of the inputs (module docstring)
         try:
             import inspect
             self.out_ok = "out" in inspect.signature(kernel).parameters

@@ -187,7 +187,7 @@ class SGD(Optimizer):
     def step_kernel(self, w, g, st, lr, wd, t, rescale, clip, out=None, scratch=None):
         dt = w.dtype.type
         if not self.momentum and clip is None and not wd:
-            if w.size >= _AXPY_MIN and lr * rescale:    # (BLAS skips alpha 0, see _fast_ok)
+            if _fast_ok(w, lr, rescale):
                 # the common case in ONE pass over w and g: w += (-lr * rescale) * g (BLAS
                 # axpy); into a copy of w when w may not be written (same result either way)
                 dst = out if out is w else np.array(w)
@@ -223,10 +223,7 @@ class SGD(Optimizer):
         (``?axpy``), instead of five NumPy passes and two new arrays (3.2x at the MLP's 2 MB
         of weights; the same values up to rounding: BLAS may fuse multiply and add). Returns
         the new weight, or None, having written nothing, when an operand does not qualify."""
-        if not (w.dtype == g.dtype == buf.dtype and w.shape == g.shape == buf.shape
-                and w.flags.c_contiguous and g.flags.c_contiguous and buf.flags.c_contiguous
-                and buf.flags.writeable and _blas.has("axpby", w.dtype)
-                and _blas.has("axpy", w.dtype)):
+        if not _blas.ready((w, g, buf), (buf,)):
             return None
         dst = out if out is w else np.array(w)
         _blas.axpby(rescale, g, self.momentum, buf)
@@ -280,10 +277,7 @@ class Adam(Optimizer):
         values up to rounding. Returns the new weight, or None, having written nothing, when
         an operand does not qualify."""
         m, v = st["mean"], st["var"]
-        if not (w.dtype == g.dtype == m.dtype == v.dtype and w.shape == g.shape == m.shape == v.shape
-                and w.flags.c_contiguous and g.flags.c_contiguous and m.flags.c_contiguous
-                and v.flags.c_contiguous and m.flags.writeable and v.flags.writeable
-                and _blas.has("axpby", w.dtype) and _blas.has("axpy", w.dtype)):
+        if not _blas.ready((w, g, m, v), (m, v)):
             return None
         dt = w.dtype.type
         b1, b2 = self.beta1, self.beta2
