@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import hybridl as hl
 from hybridl import nd
 from hybridl.graph import passes as P
+from hybridl.ops import math as _math
 
 SETTINGS = settings(max_examples=30, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -497,6 +498,31 @@ def test_fuse_elementwise_fuses_a_chain(fuse_all):
     assert r.dtype == np.float32
     np.testing.assert_allclose(r, np.tanh(xv * yv + xv) * 0.5 - np.maximum(yv, 0), rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(r, plain(xv, yv).asnumpy(), rtol=1e-6, atol=1e-7)
+
+
+_SPECIAL_VALUES = np.array([np.nan, -0.0, 0.0, -1.5, 2.0, np.inf, -np.inf, 1e-40], np.float32)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")   # (in an engine worker)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", ["relu", "relu_grad", "maximum", "minimum"])
+def test_fused_template_equals_kernel_on_nan_inf_and_signed_zeros(fuse_all, name, dtype):
+    """A fused chain computes what the eager kernels compute, bit for bit, also where the
+    templates' where() could pick another branch: NaN, inf, -0.0 (relu(NaN) is NaN, a NaN
+    gradient through an inactive relu is NaN as g * 0, maximum(0.0, -0.0) is -0.0)."""
+    a, b = (v.ravel().astype(dtype) for v in np.meshgrid(_SPECIAL_VALUES, _SPECIAL_VALUES))
+    x = hl.sym.var("x", shape=a.shape, dtype=dtype)
+    y = hl.sym.var("y", shape=a.shape, dtype=dtype)
+    f = {"relu": lambda u, v: nd.relu(u) * v, "relu_grad": lambda u, v: _math.relu_grad(u, v) * 1.0,
+         "maximum": lambda u, v: nd.maximum(u, v) * 1.0,
+         "minimum": lambda u, v: nd.minimum(u, v) * 1.0}[name]
+    fused = hl.compile(f(x, y), passes=["fuse_elementwise"], inputs=[x, y])
+    assert fused.graph.count("fused_elementwise") == 1
+    want = f(nd.array(a), nd.array(b)).asnumpy()       # the eager kernels
+    got = fused(a, b).asnumpy()
+    assert got.dtype == want.dtype == dtype
+    bits = np.uint32 if dtype == np.float32 else np.uint64
+    np.testing.assert_array_equal(got.view(bits), want.view(bits))
 
 
 def test_fuse_elementwise_respects_threshold_and_shared_values():
