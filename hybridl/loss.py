@@ -33,6 +33,9 @@ class SoftmaxCrossEntropyLoss(Loss):
 
     Shapes: pred (N, K) logits; label (N,) class indices (any int dtype, or float holding
     integers) when ``sparse_label`` (default), else (N, K) probabilities. Returns (N,).
+
+    Raises (at the next sync point): OpError for a label outside [0, K), or a float label
+    that is not a whole number (a fraction, NaN, inf), naming the value and its position.
     """
 
     def __init__(self, axis=-1, sparse_label=True, from_logits=False, weight=None, batch_axis=0):
@@ -43,8 +46,8 @@ class SoftmaxCrossEntropyLoss(Loss):
 
     def forward(self, pred, label):
         if self._sparse:
-            if label.dtype.kind == "f":
-                label = label.astype("int64")
+            if label.dtype.kind == "f":      # MXNet's float labels: whole numbers checked
+                label = F.class_indices(label)
             if len(label.shape) == 2 and label.shape[1] == 1:
                 label = F.reshape(label, (-1,))
             if self._from_logits:        # pred are log-probabilities already

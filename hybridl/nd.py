@@ -14,6 +14,6 @@ from .ops.math import (abs, add, argmax, argmin, broadcast_to, cast, clip, conca
                        prod, reciprocal, relu, reshape, sigmoid, sign, sin, slice_, softplus,
                        split, sqrt, square, squeeze, stack, stop_gradient, subtract, sum, sum_to,
                        swapaxes, take, tanh, transpose, where)
-from .ops.nn import (avg_pool2d, batch_norm, conv2d, dropout, embedding,  # noqa: F401
-                     global_avg_pool2d, layer_norm, log_softmax, max_pool2d, softmax,
+from .ops.nn import (avg_pool2d, batch_norm, class_indices, conv2d, dropout,  # noqa: F401
+                     embedding, global_avg_pool2d, layer_norm, log_softmax, max_pool2d, softmax,
                      softmax_cross_entropy)

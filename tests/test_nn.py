@@ -431,6 +431,36 @@ def test_softmax_cross_entropy_value_and_gradient():
     np.testing.assert_allclose(l3, -(soft * np.log(p)).sum(-1), rtol=1e-10)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+@pytest.mark.parametrize("hybridize", [False, True])
+@pytest.mark.parametrize("bad", [1.5, np.nan, np.inf, -0.25])
+def test_softmax_cross_entropy_float_labels_must_be_whole_numbers(bad, hybridize):
+    """A float label that is not a class index (a fraction, NaN, inf) raises, naming the value
+    and its position, instead of being truncated to some class (1.5 -> 1, NaN -> an int64
+    garbage index)."""
+    class Net(nn.HybridBlock):
+        def __init__(self):
+            super().__init__()
+            self.loss = hl.loss.SoftmaxCrossEntropyLoss()
+
+        def forward(self, z, y):
+            return self.loss(z, y)
+    net = Net()
+    if hybridize:
+        net.hybridize()
+    z = _arr(RNG.standard_normal((4, 3)))
+    lab = np.array([0.0, 2.0, bad, 1.0])
+    with pytest.raises(hl.OpError, match=r"class indices \(whole numbers\).* at position \(2,\)") as e:
+        net(z, _arr(lab)).asnumpy()
+    assert str(float(bad)) in str(e.value)
+    with pytest.raises(hl.OpError, match="whole numbers"):    # and once at the next waitall
+        hl.waitall()
+    lab[2] = 2.0                          # whole numbers, the last one 2.0: fine again
+    zv = z.asnumpy()
+    ref = -np.log(_softmax(zv)[np.arange(4), lab.astype(int)])
+    np.testing.assert_allclose(net(z, _arr(lab)).asnumpy(), ref, rtol=1e-10)
+
+
 def test_l2_l1_losses():
     a = RNG.standard_normal((4, 3, 2))
     b = RNG.standard_normal((4, 3, 2))

@@ -82,6 +82,48 @@ SCE_WITH_GRAD = register(
     cost=lambda i, o, s, **a: (7.0 * numel(i[1]), float(2 * numel(i[1]) * s)))
 
 
+def _class_indices_kernel(labels, out=None):
+    idx = np.empty(labels.shape, np.int64) if out is None else out
+    with np.errstate(invalid="ignore"):         # NaN / inf: reported below, not warned about
+        np.copyto(idx, labels, casting="unsafe")
+    if labels.dtype.kind == "f":
+        bad = idx != labels                     # a fraction, NaN or inf
+        if bad.any():
+            i = int(np.argmax(bad.reshape(-1)))
+            at = np.unravel_index(i, labels.shape) if labels.ndim else ()
+            raise ValueError(f"label: expected class indices (whole numbers) in the "
+                             f"{labels.dtype} labels, got {float(labels.reshape(-1)[i])} at "
+                             f"position {tuple(int(k) for k in at)}")
+    return idx
+
+
+def _class_indices_infer(labels):
+    if labels.dtype.kind not in "iuf":
+        raise TypeError(f"label: expected integer class indices or floats holding them, got "
+                        f"dtype {labels.dtype}")
+    return [(tuple(labels.shape), np.dtype(np.int64))]
+
+
+CLASS_INDICES = register("class_indices", _class_indices_kernel, _class_indices_infer,
+                         differentiable=False,
+                         cost=lambda i, o, s, **a: (0.0, float(numel(i[0]) * (s + 8))))
+
+
+def class_indices(labels):
+    """Labels as int64 class indices: integer labels cast, float labels (MXNet's convention)
+    checked to hold whole numbers -- a fraction, NaN or inf raises (at the next sync point)
+    instead of being truncated to some class.
+
+    Shapes: any; returns the same shape, int64.
+
+    Raises:
+        TypeError: labels neither integer nor float.
+        ValueError (at the next sync point): a float label that is not a whole number; the
+            message names the value and its position.
+    """
+    return apply(CLASS_INDICES, labels)
+
+
 def softmax_cross_entropy(logits, labels):
     """Per-sample cross-entropy of softmax(logits) against integer labels.
 
@@ -432,6 +474,6 @@ for _op in (SCE_GRAD, CONV_GX, CONV_GW, MAXPOOL_GRAD, BN_GRAD, LN_GRAD):
 AVGPOOL_GRAD.grad = _g_avgpool_grad
 AVGPOOL_GRAD.differentiable = True
 
-__all__ = ["softmax", "log_softmax", "softmax_cross_entropy", "conv2d", "max_pool2d",
+__all__ = ["softmax", "log_softmax", "softmax_cross_entropy", "class_indices", "conv2d", "max_pool2d",
            "avg_pool2d", "global_avg_pool2d", "batch_norm", "layer_norm", "dropout", "embedding",
            "take_grad"]
