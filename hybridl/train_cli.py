@@ -152,9 +152,18 @@ def cosine_lr(base_lr, total_steps):
 
 def fit(net, trainer, train_loader, test_loader, epochs, loss_fn=None, log=print,
         progress=True, rank0=True, step_hook=None, batch_fn=None, lr_schedule=None,
-        compiled=False):
+        compiled=False, reduce_stats=None):
     """Train ``net`` for ``epochs``; returns a list of per-epoch dicts (loss, train_acc,
     test_acc, samples_per_s, seconds). Per-epoch loss is the mean per-sample loss.
+
+    ``reduce_stats(v) -> v``, when given, sums a float64 vector (loss sum, correct count,
+    samples) over the processes of a data-parallel job at the end of every epoch, so that the
+    printed loss, accuracy and samples/s are the whole job's and every process makes the same
+    divergence decision (one rank raising alone would leave the others blocked in their next
+    collective until the dead-rank timeout).
+
+    Raises:
+        FloatingPointError: an epoch's mean loss is NaN or infinite (training diverged).
 
     ``batch_fn(x, y) -> (per-sample losses, outputs)``, when given, replaces the default
     record/forward/backward of a batch (e.g. a pipeline's micro-batch schedule); the trainer
@@ -200,8 +209,11 @@ def fit(net, trainer, train_loader, test_loader, epochs, loss_fn=None, log=print
                 step_hook()
             if bar is not None:
                 bar.update(1)
-        tot_loss = sum(float(s.item()) for s, _ in sums)
-        tot_ok = sum(int(c.item()) for _, c in sums)
+        stats = np.array([sum(float(s.item()) for s, _ in sums),
+                          sum(int(c.item()) for _, c in sums), n_seen], np.float64)
+        if reduce_stats is not None:
+            stats = np.asarray(reduce_stats(stats), np.float64)
+        tot_loss, tot_ok, n_seen = float(stats[0]), float(stats[1]), int(stats[2])
         dt = time.perf_counter() - t0
         if bar is not None:
             bar.close()
@@ -217,6 +229,15 @@ def fit(net, trainer, train_loader, test_loader, epochs, loss_fn=None, log=print
                 f"training diverged: the mean loss of epoch {epoch} is {rec['loss']} (a "
                 f"smaller learning rate usually helps)")
     return history
+
+
+def _sum_over_ranks(dist):
+    """``reduce_stats`` for :func:`fit` in an MPI job: the vector summed over the ranks."""
+    from . import nd
+
+    def reduce(v):
+        return dist.allreduce(nd.array(v), "sum").asnumpy()
+    return reduce
 
 
 def _engine_name():
@@ -337,7 +358,7 @@ def _train(args):
     hist = fit(net, trainer, train_loader, test_loader, args.epochs,
                progress=not args.quiet and sys.stderr.isatty(), rank0=rank0,
                lr_schedule=lr_schedule(args, len(train_loader)),
-               compiled=compiled)
+               compiled=compiled, reduce_stats=_sum_over_ranks(dist) if multi else None)
     total = time.perf_counter() - t0
     last = hist[-1]
     if args.save and rank0:
@@ -347,7 +368,7 @@ def _train(args):
         print(f"done: {args.model}/{args.dataset} test accuracy {last['test_acc']:.4f} after "
               f"{args.epochs} epoch(s) in {total:.1f} s "
               f"(training {sum(h['seconds'] for h in hist):.1f} s at "
-              f"{np.mean([h['samples_per_s'] for h in hist]) * nproc:.0f} samples/s"
+              f"{np.mean([h['samples_per_s'] for h in hist]):.0f} samples/s"
               + (f" over {nproc} processes" if nproc > 1 else "") + "; the rest is evaluation)"
               + (f", parameters saved to {args.save}" if args.save and rank0 else ""), flush=True)
     return 0

@@ -405,6 +405,47 @@ def test_hanging_rank_aborts_the_job_after_the_timeout(tmp_path):
     assert 2 <= dt < 2 + 20
 
 
+_DIVERGE = """
+import sys
+import numpy as np
+import hybridl as hl
+from hybridl import data, distributed as dist, nn
+from hybridl.train_cli import _sum_over_ranks, fit
+
+rank, size = dist.init()
+hl.random.seed(0)
+X = np.ones((16, 4), np.float32)
+if rank == 1:
+    X[-1, 0] = np.inf      # rank 1's last batch: its loss is inf, rank 0's stays finite
+loader = data.DataLoader(data.ArrayDataset(X, np.zeros(16, np.int64)), 4)
+net = nn.Dense(2, in_units=4)
+net.initialize()
+trainer = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore="dist")
+try:
+    fit(net, trainer, loader, None, 3, progress=False, rank0=rank == 0,
+        reduce_stats=_sum_over_ranks(dist))
+except FloatingPointError as e:
+    print("rank", rank, "stopped:", e, flush=True)
+    sys.exit(1)
+print("rank", rank, "finished")
+"""
+
+
+@mpi
+def test_divergence_on_one_rank_stops_every_rank_together(tmp_path):
+    """Only rank 1's loss is inf (its last batch): the epoch's statistics are summed over the
+    ranks, so both stop after epoch 1 with the same message, at once (not rank 0 blocked in
+    its next collective until the dead-rank timeout)."""
+    script = _script(tmp_path, "diverge.py", _DIVERGE)
+    out, dt = _mpirun([sys.executable, script], HYBRIDL_DIST_TIMEOUT=20)
+    assert out.returncode != 0
+    for r in (0, 1):
+        assert f"rank {r} stopped: training diverged: the mean loss of epoch 1 is" in out.stdout, \
+            (out.stdout, out.stderr)
+    assert "finished" not in out.stdout and "epoch   2" not in out.stdout
+    assert dt < 20, dt
+
+
 @mpi
 def test_launch_hybridl_train_distributed(tmp_path):
     save = tmp_path / "lenet.safetensors"

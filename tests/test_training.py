@@ -195,6 +195,38 @@ def test_fit_and_evaluate_in_process():
     assert acc >= 0.9
 
 
+def test_fit_reduces_epoch_statistics_over_processes():
+    """reduce_stats (an allreduce in an MPI job) sums (loss, correct, samples) over the ranks:
+    the printed figures are the job's, and a NaN on another rank stops every rank at once."""
+    from hybridl import data, models, optim
+    from hybridl.train_cli import fit
+
+    def run(reduce_stats):
+        hl.random.seed(0)
+        train = data.DataLoader(data.Digits(train=True), 64, shuffle=True, seed=0)
+        net = models.mlp((64,), 10)
+        net.initialize()
+        trainer = optim.Trainer(net.collect_params(), "sgd", dict(learning_rate=0.05))
+        return fit(net, trainer, train, None, 2, log=lambda s: None, progress=False,
+                   reduce_stats=reduce_stats)
+    seen = []
+
+    def other_rank_agrees(v):          # another rank with the same figures: means unchanged
+        seen.append(v.copy())
+        return 2 * v
+    plain, reduced = run(None), run(other_rank_agrees)
+    assert len(seen) == 2 and seen[0].dtype == np.float64
+    assert seen[0][2] == len(data.Digits(train=True))          # samples of the epoch
+    for a, b in zip(plain, reduced):
+        assert b["loss"] == a["loss"] and b["train_acc"] == a["train_acc"]
+        assert b["samples_per_s"] * b["seconds"] == pytest.approx(2 * seen[0][2])   # the job's
+
+    def other_rank_diverged(v):
+        return v + np.array([np.nan, 0.0, v[2]])
+    with pytest.raises(FloatingPointError, match="epoch 1 is nan"):
+        run(other_rank_diverged)
+
+
 def test_cosine_schedule_values_and_use_in_fit():
     import math
     from hybridl import data, models, optim
