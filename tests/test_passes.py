@@ -525,6 +525,33 @@ def test_fused_template_equals_kernel_on_nan_inf_and_signed_zeros(fuse_all, name
     np.testing.assert_array_equal(got.view(bits), want.view(bits))
 
 
+def test_ops_marked_fresh_never_return_views_of_their_inputs():
+    """Op.fresh is a promise the memory planner relies on (it frees an input's buffer right
+    after the op): check each marked op's kernel output against its inputs' memory."""
+    from hybridl.ops import nn as N
+    from hybridl.ops.registry import OPS
+    rng = np.random.default_rng(0)
+    z = rng.standard_normal((6, 4)).astype(np.float32)
+    lab = np.array([0, 3, 1, 2, 2, 0], np.int64)
+    x = rng.standard_normal((2, 3, 6, 6)).astype(np.float32)
+    w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    dy = rng.standard_normal((2, 4, 4, 4)).astype(np.float32)
+    cases = {"softmax_cross_entropy": (z, lab), "class_indices": (lab.astype(np.float32),),
+             "softmax_cross_entropy_grad": (np.ones(6, np.float32), z, lab),
+             "softmax_cross_entropy_with_grad": (np.ones(6, np.float32), z, lab),
+             "conv2d_grad_weight": (dy, x)}
+    attrs = {"conv2d_grad_weight": dict(w_shape=w.shape, stride=(1, 1), padding=(0, 0),
+                                        dilation=(1, 1), groups=1, bias=True)}
+    marked = sorted(n for n, op in OPS.items() if op.fresh)
+    assert set(cases) <= set(marked) and N.CLASS_INDICES.fresh
+    for name in marked:
+        assert name in cases, f"op {name!r} is marked fresh: add a case to this test"
+        outs = OPS[name].kernel(*cases[name], **attrs.get(name, {}))
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        for o in outs:
+            assert not any(np.shares_memory(o, a) for a in cases[name]), name
+
+
 def test_fuse_elementwise_respects_threshold_and_shared_values():
     old = hl.graph.fusion_threshold()
     x = hl.sym.var("x", shape=(64,))

@@ -68,17 +68,17 @@ def _g_sce(c, g):
 
 SCE = register("softmax_cross_entropy", lambda lg, lb, out=None: K.softmax_cross_entropy(lg, lb, out=out),
                _sce_infer, _g_sce,
-               cost=lambda i, o, s, **a: (5.0 * numel(i[0]), float(numel(i[0]) * s)))
+               cost=lambda i, o, s, **a: (5.0 * numel(i[0]), float(numel(i[0]) * s)), fresh=True)
 SCE_GRAD = register("softmax_cross_entropy_grad",
                     lambda g, lg, lb, out=None: K.softmax_cross_entropy_grad(g, lg, lb, out=out),
-                    lambda g, lg, lb: [(lg.shape, lg.dtype)])
+                    lambda g, lg, lb: [(lg.shape, lg.dtype)], fresh=True)
 
 
 SCE_WITH_GRAD = register(
     "softmax_cross_entropy_with_grad",
     lambda g, lg, lb, unit=False: K.softmax_cross_entropy_with_grad(g, lg, lb, unit=unit),
     lambda g, lg, lb, unit=False: [((lg.shape[0],), lg.dtype), (lg.shape, lg.dtype)],
-    n_out=2, differentiable=False,
+    n_out=2, differentiable=False, fresh=True,
     cost=lambda i, o, s, **a: (7.0 * numel(i[1]), float(2 * numel(i[1]) * s)))
 
 
@@ -105,7 +105,7 @@ def _class_indices_infer(labels):
 
 
 CLASS_INDICES = register("class_indices", _class_indices_kernel, _class_indices_infer,
-                         differentiable=False,
+                         differentiable=False, fresh=True,
                          cost=lambda i, o, s, **a: (0.0, float(numel(i[0]) * (s + 8))))
 
 
