@@ -156,6 +156,12 @@ def fit(net, trainer, train_loader, test_loader, epochs, loss_fn=None, log=print
     """Train ``net`` for ``epochs``; returns a list of per-epoch dicts (loss, train_acc,
     test_acc, samples_per_s, seconds). Per-epoch loss is the mean per-sample loss.
 
+    ``batch_fn(x, y) -> (per-sample losses, outputs)``, when given, replaces the default
+    record/forward/backward of a batch (e.g. a pipeline's micro-batch schedule); the trainer
+    step, the statistics and the printed lines stay the same. ``lr_schedule(step) -> lr``
+    (e.g. :func:`cosine_lr`), when given, sets the learning rate before every step (``step``
+    counts from 0 over the whole run). ``compiled=True`` runs each step as one
+    :class:`hybridl.TrainStep` program (forward, loss, backward and update; same results).
     ``reduce_stats(v) -> v``, when given, sums a float64 vector (loss sum, correct count,
     samples) over the processes of a data-parallel job at the end of every epoch, so that the
     printed loss, accuracy and samples/s are the whole job's and every process makes the same
@@ -164,13 +170,7 @@ def fit(net, trainer, train_loader, test_loader, epochs, loss_fn=None, log=print
 
     Raises:
         FloatingPointError: an epoch's mean loss is NaN or infinite (training diverged).
-
-    ``batch_fn(x, y) -> (per-sample losses, outputs)``, when given, replaces the default
-    record/forward/backward of a batch (e.g. a pipeline's micro-batch schedule); the trainer
-    step, the statistics and the printed lines stay the same. ``lr_schedule(step) -> lr``
-    (e.g. :func:`cosine_lr`), when given, sets the learning rate before every step (``step``
-    counts from 0 over the whole run). ``compiled=True`` runs each step as one
-    :class:`hybridl.TrainStep` program (forward, loss, backward and update; same results)."""
+    """
     from . import autograd, loss as L, nd
     loss_fn = loss_fn or L.SoftmaxCrossEntropyLoss()
     train_step = None
