@@ -992,3 +992,12 @@ def test_square_and_power_of_bool_store_the_declared_bool_dtype():
         v = got.asnumpy()
         assert got.dtype == np.dtype(bool) and v.dtype == np.dtype(bool)
         np.testing.assert_array_equal(v, want)
+
+
+def test_relu_of_bool_is_refused_at_the_call():
+    # NumPy has no maximum(bool, 0) loop: refused at the call with a way out, eager and traced
+    # alike (it used to fail later, at the sync point, with a ufunc casting error)
+    b = nd.array(np.array([True, False]))
+    with pytest.raises(TypeError, match="relu: expected a numeric array, got dtype bool"):
+        nd.relu(b)
+    np.testing.assert_array_equal(nd.relu(b.astype("float32")).asnumpy(), [1.0, 0.0])

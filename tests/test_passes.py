@@ -510,19 +510,43 @@ def test_fused_template_equals_kernel_on_nan_inf_and_signed_zeros(fuse_all, name
     """A fused chain computes what the eager kernels compute, bit for bit, also where the
     templates' where() could pick another branch: NaN, inf, -0.0 (relu(NaN) is NaN, a NaN
     gradient through an inactive relu is NaN as g * 0, maximum(0.0, -0.0) is -0.0)."""
-    a, b = (v.ravel().astype(dtype) for v in np.meshgrid(_SPECIAL_VALUES, _SPECIAL_VALUES))
+    bits = np.uint32 if dtype == np.float32 else np.uint64
+    snan = np.array([0x7F800001 if dtype == np.float32 else 0x7FF0000000000001], bits).view(dtype)
+    vals = np.concatenate([_SPECIAL_VALUES.astype(dtype), snan])      # + a signaling NaN
+    a, b = (v.ravel().copy() for v in np.meshgrid(vals, vals))
     x = hl.sym.var("x", shape=a.shape, dtype=dtype)
     y = hl.sym.var("y", shape=a.shape, dtype=dtype)
-    f = {"relu": lambda u, v: nd.relu(u) * v, "relu_grad": lambda u, v: _math.relu_grad(u, v) * 1.0,
-         "maximum": lambda u, v: nd.maximum(u, v) * 1.0,
-         "minimum": lambda u, v: nd.minimum(u, v) * 1.0}[name]
+    # negated: a chain of two ops (fused), and negation keeps NaN payloads (a product by 1.0
+    # would quiet a signaling NaN and hide whether the template did)
+    f = {"relu": lambda u, v: -nd.relu(u), "relu_grad": lambda u, v: -_math.relu_grad(u, v),
+         "maximum": lambda u, v: -nd.maximum(u, v), "minimum": lambda u, v: -nd.minimum(u, v)}[name]
     fused = hl.compile(f(x, y), passes=["fuse_elementwise"], inputs=[x, y])
     assert fused.graph.count("fused_elementwise") == 1
     want = f(nd.array(a), nd.array(b)).asnumpy()       # the eager kernels
     got = fused(a, b).asnumpy()
     assert got.dtype == want.dtype == dtype
-    bits = np.uint32 if dtype == np.float32 else np.uint64
     np.testing.assert_array_equal(got.view(bits), want.view(bits))
+
+
+def test_fuse_elementwise_leaves_mixed_and_integer_chains_to_the_kernels(fuse_all):
+    """numexpr promotes differently from NumPy (int32 > float32 compares in float32 there, so
+    16777217 > 16777216.0 is False; abs of an int is a float): only chains of one float dtype
+    are fused, others keep the kernels' (NumPy's) values."""
+    i = hl.sym.var("i", shape=(1,), dtype="int32")
+    f = hl.sym.var("f", shape=(1,), dtype="float32")
+    prog = hl.compile(nd.relu(i) > f, passes=["fuse_elementwise"], inputs=[i, f])
+    assert prog.graph.count("fused_elementwise") == 0
+    iv, fv = np.array([16777217], np.int32), np.array([16777216.0], np.float32)
+    assert prog(iv, fv).asnumpy().tolist() == [True] == (np.maximum(iv, 0) > fv).tolist()
+    k = hl.sym.var("k", shape=(1,), dtype="int32")
+    prog = hl.compile(k > nd.abs(k) + k, passes=["fuse_elementwise"], inputs=[k])
+    assert prog.graph.count("fused_elementwise") == 0
+    kv = np.array([2147483647], np.int32)
+    with np.errstate(over="ignore"):
+        assert prog(kv).asnumpy().tolist() == (kv > np.abs(kv) + kv).tolist() == [True]
+    x = hl.sym.var("x", shape=(4,), dtype="float32")
+    one = hl.compile(nd.relu(x * 2.0) > x, passes=["fuse_elementwise"], inputs=[x])
+    assert one.graph.count("fused_elementwise") == 1          # one float dtype: fused
 
 
 def test_ops_marked_fresh_never_return_views_of_their_inputs():

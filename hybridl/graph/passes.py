@@ -307,8 +307,10 @@ def fuse_elementwise(graph, threshold=None):
             return None
         leaves, names = [], {}
         count = [1]
+        dtypes = set()          # of the chain's leaves and intermediate values
 
         def expr_of(s):
+            dtypes.add(np.dtype(s.dtype))
             if s.key() in absorbed:
                 count[0] += 1
                 return "(" + s.node.op.ew.format(*[expr_of(x) for x in s.node.inputs]) + ")"
@@ -319,6 +321,11 @@ def fuse_elementwise(graph, threshold=None):
             return names[k]
         expr = node.op.ew.format(*[expr_of(x) for x in node.inputs])
         if count[0] < 2:
+            return None
+        # one float dtype throughout: numexpr's own promotions differ from NumPy's for mixed
+        # or integer operands (int32 > float32 compares in float32 there, in float64 in
+        # NumPy; abs of an int is a float there), so such chains keep the kernels
+        if len(dtypes) != 1 or next(iter(dtypes)).kind != "f":
             return None
         shape, dt = node.specs[0]
         try:

@@ -111,9 +111,11 @@ def _pow_kernel(a, b, out=None):
 
 
 POW = register("power", _pow_kernel, _ew2_infer("power"), _g_pow, ew="({0} ** {1})")
-# The numexpr templates (Op.ew, used by fuse_elementwise) give the kernels' values bit for bit,
-# NaN, inf and signed zeros included: np.maximum(a, b) is a when a > b or a is NaN, else b
-# (so a NaN in either operand propagates, and maximum(0.0, -0.0) is -0.0)
+# The numexpr templates (Op.ew, used by fuse_elementwise) of maximum, minimum, relu and
+# relu_grad give the kernels' values bit for bit, NaN, inf and signed zeros included (those of
+# transcendental functions may differ in the last bit: numexpr's exp is not NumPy's):
+# np.maximum(a, b) is a when a > b or a is NaN, else b (a NaN in either operand propagates,
+# and maximum(0.0, -0.0) is -0.0)
 MAXIMUM = register("maximum", _ew2_kernel(np.maximum), _ew2_infer("maximum"), _g_maxmin,
                    ew="where(({0} > {1}) | ({0} != {0}), {0}, {1})")
 MINIMUM = register("minimum", _ew2_kernel(np.minimum), _ew2_infer("minimum"), _g_maxmin,
@@ -317,8 +319,15 @@ def _g_relu(c, g):
     return (relu_grad(g, c.outputs[0]),)
 
 
+def _relu_infer(x):
+    if x.dtype.kind == "b":
+        raise TypeError("relu: expected a numeric array, got dtype bool (cast it first, "
+                        "e.g. x.astype('float32'))")
+    return [(x.shape, x.dtype)]
+
+
 # ew: relu(NaN) is NaN, as np.maximum (and torch.relu) give
-RELU = register("relu", _relu_kernel, _same, _g_relu, ew="where({0} <= 0, 0, {0})")
+RELU = register("relu", _relu_kernel, _relu_infer, _g_relu, ew="where({0} <= 0, 0, {0})")
 
 
 def _relu_grad_kernel(g, y, out=None):
@@ -329,9 +338,9 @@ def _relu_grad_kernel(g, y, out=None):
 
 RELU_GRAD = register("relu_grad", _relu_grad_kernel, lambda g, y: [(g.shape, g.dtype)],
                      lambda c, gg: (relu_grad(gg, c.inputs[1]), None),   # linear in g; 0 in y
-                     # ew: g * 0 where y <= 0, as the kernel's product (a NaN or inf g gives
-                     # NaN there, a negative g -0.0), not a plain 0
-                     ew="where({1} > 0, {0}, {0} * 0)")
+                     # ew: g * 1 or g * 0 as the kernel's product (a NaN or inf g gives NaN
+                     # where y <= 0, a negative g -0.0, a signaling NaN is quieted)
+                     ew="where({1} > 0, {0} * 1, {0} * 0)")
 
 
 def _softplus_kernel(x, out=None):
