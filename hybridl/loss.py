@@ -46,14 +46,20 @@ class SoftmaxCrossEntropyLoss(Loss):
 
     def forward(self, pred, label):
         if self._sparse:
-            if label.dtype.kind == "f":      # MXNet's float labels: whole numbers checked
-                label = F.class_indices(label)
             if len(label.shape) == 2 and label.shape[1] == 1:
                 label = F.reshape(label, (-1,))
             if self._from_logits:        # pred are log-probabilities already
+                if tuple(label.shape) != tuple(pred.shape[:-1]):
+                    raise ValueError(f"SoftmaxCrossEntropyLoss: label must have shape "
+                                     f"{tuple(pred.shape[:-1])} (one class index per row of "
+                                     f"pred {tuple(pred.shape)}), got {tuple(label.shape)}")
+                # range checked here: one_hot would make an out-of-range label all zeros
+                label = F.class_indices(label, pred.shape[-1])
                 loss = -F.sum(pred * F.one_hot(label, pred.shape[-1], pred.dtype.name), axis=-1)
             else:
-                loss = F.softmax_cross_entropy(pred, label)
+                if label.dtype.kind == "f":  # MXNet's float labels: whole numbers checked
+                    label = F.class_indices(label)
+                loss = F.softmax_cross_entropy(pred, label)     # checks the range itself
         else:
             self._check(pred, label, "SoftmaxCrossEntropyLoss")
             lp = pred if self._from_logits else F.log_softmax(pred, -1)

@@ -212,7 +212,7 @@ def fit(net, trainer, train_loader, test_loader, epochs, loss_fn=None, log=print
         stats = np.array([sum(float(s.item()) for s, _ in sums),
                           sum(int(c.item()) for _, c in sums), n_seen], np.float64)
         if reduce_stats is not None:
-            stats = np.asarray(reduce_stats(stats), np.float64)
+            stats = _check_stats(reduce_stats(stats), stats)
         tot_loss, tot_ok, n_seen = float(stats[0]), float(stats[1]), int(stats[2])
         dt = time.perf_counter() - t0
         if bar is not None:
@@ -229,6 +229,27 @@ def fit(net, trainer, train_loader, test_loader, epochs, loss_fn=None, log=print
                 f"training diverged: the mean loss of epoch {epoch} is {rec['loss']} (a "
                 f"smaller learning rate usually helps)")
     return history
+
+
+def _check_stats(got, mine):
+    """The vector ``reduce_stats`` returned, checked: 3 real numbers, the sample count a whole
+    number at least this process's own (a sum over processes)."""
+    try:
+        v = np.asarray(got)
+    except Exception:  # noqa: BLE001 - whatever it is, it is not a vector of 3 numbers
+        v = None
+    if v is None or v.shape != (3,) or v.dtype.kind not in "iuf":
+        what = type(got).__name__
+        if v is not None:
+            what += f" of shape {v.shape} dtype {v.dtype}"
+        raise ValueError(f"reduce_stats: expected a vector of 3 real numbers (loss sum, correct "
+                         f"count, samples) summed over the processes, got {what}")
+    v = v.astype(np.float64)
+    n = v[2]
+    if not (np.isfinite(n) and n == int(n) and n >= mine[2]):
+        raise ValueError(f"reduce_stats: the summed sample count must be a whole number at "
+                         f"least this process's {int(mine[2])}, got {n}")
+    return v
 
 
 def _sum_over_ranks(dist):

@@ -1,6 +1,7 @@
 """hl.nn layers vs NumPy references, parameters, initializers, losses, save/load, hl.models."""
 import glob
 import os
+import re
 
 import numpy as np
 import pytest
@@ -450,7 +451,7 @@ def test_softmax_cross_entropy_float_labels_must_be_whole_numbers(bad, hybridize
         net.hybridize()
     z = _arr(RNG.standard_normal((4, 3)))
     lab = np.array([0.0, 2.0, bad, 1.0])
-    msg = r"class indices \(whole numbers\).* at position \(2,\)"
+    msg = r"class indices \(whole numbers within int64\), got .* at position \(2,\)"
     with pytest.raises(hl.OpError, match=msg) as e:
         net(z, _arr(lab)).asnumpy()
     assert str(float(bad)) in str(e.value)
@@ -460,6 +461,30 @@ def test_softmax_cross_entropy_float_labels_must_be_whole_numbers(bad, hybridize
     zv = z.asnumpy()
     ref = -np.log(_softmax(zv)[np.arange(4), lab.astype(int)])
     np.testing.assert_allclose(net(z, _arr(lab)).asnumpy(), ref, rtol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", ["int64", "float32"])
+def test_softmax_cross_entropy_from_logits_checks_labels(dtype):
+    """from_logits=True: -pred[n, label[n]]; a label outside [0, K) raises (one_hot alone
+    would give an all-zero row, a loss of 0) and a label shape that is not pred's batch shape
+    is refused at the call (it broadcast)."""
+    loss = hl.loss.SoftmaxCrossEntropyLoss(from_logits=True)
+    lp = np.log(_softmax(RNG.standard_normal((4, 3))))
+    lab = np.array([0, 2, 1, 2])
+    np.testing.assert_allclose(loss(_arr(lp), nd.array(lab, dtype=dtype)).asnumpy(),
+                               -lp[np.arange(4), lab], rtol=1e-12)
+    for bad in (3, -1):
+        lab_bad = lab.copy()
+        lab_bad[1] = bad
+        got = re.escape(str(float(bad) if dtype == "float32" else bad))
+        with pytest.raises(hl.OpError, match=rf"in \[0, 3\), got {got} at position \(1,\)"):
+            loss(_arr(lp), nd.array(lab_bad, dtype=dtype)).asnumpy()
+        with pytest.raises(hl.OpError):
+            hl.waitall()
+    with pytest.raises(ValueError, match=r"label must have shape \(4,\).* got \(\)"):
+        loss(_arr(lp), nd.array(np.array(1), dtype=dtype))
+    with pytest.raises(ValueError, match=r"label must have shape \(4,\).* got \(3,\)"):
+        loss(_arr(lp), nd.array(lab[:3], dtype=dtype))
 
 
 def test_l2_l1_losses():

@@ -82,22 +82,33 @@ SCE_WITH_GRAD = register(
     cost=lambda i, o, s, **a: (7.0 * numel(i[1]), float(2 * numel(i[1]) * s)))
 
 
-def _class_indices_kernel(labels, out=None):
+def _class_indices_kernel(labels, num_classes=None, out=None):
     idx = np.empty(labels.shape, np.int64) if out is None else out
     with np.errstate(invalid="ignore"):         # NaN / inf: reported below, not warned about
         np.copyto(idx, labels, casting="unsafe")
     if labels.dtype.kind == "f":
-        bad = idx != labels                     # a fraction, NaN or inf
+        bad = idx != labels                     # a fraction, NaN, inf, or beyond int64
         if bad.any():
-            i = int(np.argmax(bad.reshape(-1)))
-            at = np.unravel_index(i, labels.shape) if labels.ndim else ()
-            raise ValueError(f"label: expected class indices (whole numbers) in the "
-                             f"{labels.dtype} labels, got {float(labels.reshape(-1)[i])} at "
-                             f"position {tuple(int(k) for k in at)}")
+            _bad_label(labels, bad, "class indices (whole numbers within int64)")
+    if num_classes is not None and idx.size:
+        bad = (idx < 0) | (idx >= num_classes)
+        if labels.dtype.kind == "u":            # a uint64 above 2**63 wrapped to negative
+            bad |= labels >= num_classes
+        if bad.any():
+            _bad_label(labels, bad, f"class indices in [0, {num_classes})")
     return idx
 
 
-def _class_indices_infer(labels):
+def _bad_label(labels, bad, expected):
+    i = int(np.argmax(bad.reshape(-1)))
+    at = np.unravel_index(i, labels.shape) if labels.ndim else ()
+    v = labels.reshape(-1)[i]
+    v = float(v) if labels.dtype.kind == "f" else int(v)
+    raise ValueError(f"label: expected {expected}, got {v} at position "
+                     f"{tuple(int(k) for k in at)} of the {labels.dtype} labels")
+
+
+def _class_indices_infer(labels, num_classes=None):
     if labels.dtype.kind not in "iuf":
         raise TypeError(f"label: expected integer class indices or floats holding them, got "
                         f"dtype {labels.dtype}")
@@ -109,18 +120,25 @@ CLASS_INDICES = register("class_indices", _class_indices_kernel, _class_indices_
                          cost=lambda i, o, s, **a: (0.0, float(numel(i[0]) * (s + 8))))
 
 
-def class_indices(labels):
+def class_indices(labels, num_classes=None):
     """Labels as int64 class indices: integer labels cast, float labels (MXNet's convention)
-    checked to hold whole numbers -- a fraction, NaN or inf raises (at the next sync point)
-    instead of being truncated to some class.
+    checked to hold whole numbers -- a fraction, NaN, inf or a value beyond int64 raises (at
+    the next sync point) instead of being truncated to some class; with ``num_classes`` also
+    checked to lie in ``[0, num_classes)``.
 
     Shapes: any; returns the same shape, int64.
 
     Raises:
         TypeError: labels neither integer nor float.
-        ValueError (at the next sync point): a float label that is not a whole number; the
-            message names the value and its position.
+        ValueError: ``num_classes`` not an integer >= 1.
+        OpError (at the next sync point): a float label that is not a whole number, or a label
+            outside ``[0, num_classes)``; the message names the value and its position.
     """
+    if num_classes is not None:
+        if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) \
+                or num_classes < 1:
+            raise ValueError(f"num_classes: expected an integer >= 1, got {num_classes!r}")
+        return apply(CLASS_INDICES, labels, num_classes=int(num_classes))
     return apply(CLASS_INDICES, labels)
 
 
