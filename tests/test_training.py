@@ -225,6 +225,10 @@ def test_fit_reduces_epoch_statistics_over_processes():
         return v + np.array([np.nan, 0.0, v[2]])
     with pytest.raises(FloatingPointError, match="epoch 1 is nan"):
         run(other_rank_diverged)
+    for bad in (lambda v: v[:2], lambda v: None, lambda v: v[None], lambda v: v * 0,
+                lambda v: v + np.array([0.0, 0.0, np.nan]), lambda v: v + 0.5):
+        with pytest.raises(ValueError, match="reduce_stats: "):
+            run(bad)
 
 
 def test_cosine_schedule_values_and_use_in_fit():
