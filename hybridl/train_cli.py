@@ -402,7 +402,8 @@ def main_export(argv=None):
     """``hybridl export``: write a trained model as graph JSON + safetensors (and ONNX).
 
     Example: ``hybridl train --save lenet.safetensors`` then
-    ``hybridl export --params lenet.safetensors --out lenet [--onnx lenet.onnx]``.
+    ``hybridl export --params lenet.safetensors --out lenet-graph [--onnx lenet.onnx]``
+    (``--out`` may not name the ``--params`` file: the export would replace the checkpoint).
     """
     p = _Parser(prog="hybridl export", description="Export a model for use without its Python code.")
     p.add_argument("--model", default="lenet", choices=("mlp", "lenet", "resnet18", "inception"))
@@ -423,6 +424,11 @@ def main_export(argv=None):
             print("hybridl export: error: --onnx needs the onnx package: pip install -e \".[onnx]\"",
                   file=sys.stderr)
             return 2
+    if args.params and os.path.abspath(args.out + ".safetensors") == os.path.abspath(args.params):
+        print(f"hybridl export: error: --out {args.out} would write {args.out}.safetensors over "
+              f"the --params file it reads; choose another prefix, e.g. --out {args.out}-graph",
+              file=sys.stderr)
+        return 2
     if not args.params:
         print("hybridl export: note: no --params given: exporting freshly initialized weights",
               file=sys.stderr)

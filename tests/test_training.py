@@ -102,11 +102,16 @@ def test_save_then_export(tmp_path):
     assert r.returncode == 0, r.stderr
     assert f"parameters saved to {params}" in r.stdout
     assert params.exists() and not [f for f in os.listdir(tmp_path) if "tmp" in f]
-    out = tmp_path / "lenet"
+    saved = params.read_bytes()
+    # --out naming the checkpoint itself (lenet -> lenet.safetensors) is refused, nothing written
+    r = _hybridl("export", "--params", str(params), "--out", str(tmp_path / "lenet"))
+    assert r.returncode == 2 and "over the --params file" in r.stderr, r.stderr
+    assert params.read_bytes() == saved and not (tmp_path / "lenet-symbol.json").exists()
+    out = tmp_path / "lenet-graph"
     r = _hybridl("export", "--params", str(params), "--out", str(out))
     assert r.returncode == 0, r.stderr
-    sym, par = tmp_path / "lenet-symbol.json", tmp_path / "lenet.safetensors"
-    assert sym.exists() and par.exists()
+    sym, par = tmp_path / "lenet-graph-symbol.json", tmp_path / "lenet-graph.safetensors"
+    assert sym.exists() and par.exists() and params.read_bytes() == saved
     # the exported graph reproduces the trained LeNet
     net = hl.models.lenet(10, input_size=8)
     net.initialize()
