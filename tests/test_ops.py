@@ -216,6 +216,19 @@ def test_sigmoid_softplus_extremes_are_finite():
     close(sp, [0, 0, np.log(2), 50, 1000])
 
 
+@pytest.mark.parametrize("dtype, lo", [("float32", -87.0), ("float64", -700.0)])
+def test_sigmoid_relative_accuracy_for_negative_inputs(dtype, lo):
+    # sigmoid(x) ~ exp(x) for x << 0: a few ulps relative to the float64/extended reference
+    # over the whole normal range (0.5 * (1 + tanh(x / 2)) cancelled: sigmoid(-17) was 44%
+    # off in float32, sigmoid(-20) was 0)
+    x = np.linspace(lo, 40.0, 4001).astype(dtype)
+    ref = 1 / (1 + np.exp(-x.astype(np.longdouble)))
+    got = A(nd.sigmoid(nd.array(x, dtype=dtype)))
+    assert got.dtype == np.dtype(dtype)
+    rel = np.abs(got.astype(np.longdouble) - ref) / ref
+    assert float(rel.max()) < 8 * np.finfo(dtype).eps, float(rel.max())
+
+
 @pytest.mark.parametrize("shapes", [((2, 3), (2, 3), (2, 3)), ((2, 1), (3,), ()), ((3,), (2, 3), (1, 3))])
 def test_where(shapes):
     sc, sx, sy = shapes

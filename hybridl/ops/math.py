@@ -296,13 +296,17 @@ RECIP = _u("reciprocal", _fk(np.reciprocal),
 
 
 def _sigmoid_kernel(x, out=None):
-    # 1 / (1 + exp(-x)) written so that exp never overflows: 0.5 * (1 + tanh(x / 2))
-    y = np.multiply(x, 0.5, out=out, dtype=x.dtype if x.dtype.kind == "f" else F32)
+    # 1 / (1 + exp(-x)), the fusion template's formula: accurate to a few ulps everywhere
+    # (0.5 * (1 + tanh(x / 2)), used before, cancels for x << 0: sigmoid(-17) was 44% off in
+    # float32, sigmoid(-20) 0). exp(-x) overflows to inf only where sigmoid is below the
+    # smallest normal number (x < -88 in float32), and 1 / inf is the 0 it rounds to.
+    y = np.negative(x, out=out, dtype=x.dtype if x.dtype.kind == "f" else F32)
     if not isinstance(y, np.ndarray):          # 0-d input: NumPy returned a scalar
         y = np.array(y)
-    np.tanh(y, out=y)
+    with np.errstate(over="ignore"):
+        np.exp(y, out=y)
     y += 1.0
-    y *= 0.5
+    np.reciprocal(y, out=y)
     return y
 
 
