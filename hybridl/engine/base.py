@@ -15,8 +15,9 @@ The engine guarantees the result is the same as running every pushed ``fn`` in p
 Errors: an exception raised by ``fn`` is wrapped in :class:`OpError` (naming the op, keeping the
 original exception as ``__cause__`` and its formatted traceback in the message) and stored on
 every Var the op writes. An op that reads a failed Var does not run and passes the error on to
-the Vars it writes. The error is raised when a failed Var is waited for (``wait_for``) and by
-``waitall()``.
+the Vars it writes, except to Vars marked ``clean_on_skip`` (parameters and optimizer states:
+a skipped update leaves them as they were) or ``keep_clean`` (the RNG). The error is raised
+when a failed Var is waited for (``wait_for``) and by ``waitall()``.
 """
 import threading
 import time
@@ -35,13 +36,19 @@ class Var:
     :class:`OpError` of the last failed write (``None`` when the state is good).
     """
 
-    __slots__ = ("name", "exc", "_writer", "_readers", "keep_clean", "__weakref__")
+    __slots__ = ("name", "exc", "_writer", "_readers", "keep_clean", "clean_on_skip",
+                 "__weakref__")
 
-    def __init__(self, name=None, keep_clean=False):
+    def __init__(self, name=None, keep_clean=False, clean_on_skip=False):
         self.name = name
         self.exc = None
         # keep_clean: shared state (the RNG) that a failed op must not poison for everyone
         self.keep_clean = keep_clean
+        # clean_on_skip: state an op updates in place from other values (a parameter, an
+        # optimizer state): when the op is skipped because an input failed, the state keeps
+        # its value and stays usable (a bad batch skips one update; it does not make every
+        # later read of the weights fail); an error raised by the op itself still marks it
+        self.clean_on_skip = clean_on_skip
         self._writer = None      # last op that writes this Var (threaded engine bookkeeping)
         self._readers = []       # ops that read it since that write
 
@@ -354,7 +361,7 @@ class Engine:
         for v in op.reads:
             if v.exc is not None:           # an input failed: do not run, pass the error on
                 for w in op.writes:
-                    if not w.keep_clean:
+                    if not (w.keep_clean or w.clean_on_skip):
                         w.exc = v.exc
                 return None
         prof = self.profiler

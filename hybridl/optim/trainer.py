@@ -81,7 +81,7 @@ class Trainer:
         st = self._states.get(key)
         if st is None:
             st = self._states[key] = {"t": 0, "arrays": self._optimizer.create_state(weight),
-                                      "var": Var("optimizer_state")}
+                                      "var": Var("optimizer_state", clean_on_skip=True)}
         return st
 
     def _init_kvstore(self):
