@@ -278,6 +278,44 @@ def test_a_failed_batch_skips_one_update_and_training_goes_on(engine):
     np.testing.assert_array_equal(o1, o0)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_failed_step_does_not_count_for_adam(compiled):
+    """Adam's bias correction uses each parameter's update count t: a step that failed (a bad
+    label) and made no update must not count, in the loop (threaded engine) and in TrainStep:
+    [good, bad, good] then gives the weights of [good, good], bit for bit."""
+    def run(labels_seq):
+        hl.random.seed(0)
+        net = hl.nn.Dense(3, in_units=6)
+        net.initialize()
+        trainer = hl.Trainer(net.collect_params(), "adam", {"learning_rate": 0.01})
+        loss_fn = hl.loss.SoftmaxCrossEntropyLoss()
+        step = hl.TrainStep(net, loss_fn, trainer) if compiled else None
+        x = hl.nd.array(np.random.default_rng(0).random((4, 6)), dtype="float32")
+        for labels in labels_seq:
+            y = hl.nd.array(np.array(labels), dtype="float32")
+            try:
+                if step is not None:
+                    loss = step(x, y)
+                else:
+                    with autograd.record():
+                        loss = loss_fn(net(x), y)
+                    loss.backward()
+                    trainer.step(4)
+                loss.asnumpy()
+            except hl.OpError:
+                with pytest.raises(hl.OpError):
+                    hl.waitall()
+        hl.waitall()
+        counts = sorted(st["t"] for st in trainer._states.values())
+        return counts, [p.data().asnumpy() for p in net.collect_params().values()]
+    good = [0.0, 1.0, 2.0, 0.0]
+    t1, w1 = run([good, [0.0, 1.5, 2.0, 0.0], good])
+    t0, w0 = run([good, good])
+    assert t1 == t0 == [2, 2]
+    for a, b in zip(w1, w0):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_cosine_schedule_values_and_use_in_fit():
     import math
     from hybridl import data, models, optim

@@ -60,8 +60,9 @@ _PROGRAM_NUMBERS = itertools.count()
 
 def _update_kernel(w, g, hp, *deps, slot, step, scratch, out=None):
     """The optimizer update of one weight, in place when nobody else can see it (the row
-    ``hp[slot]`` holds the values taken when the step was pushed); ``deps`` only order it after
-    every other reader of ``w``. Returns a 0-d token (the node's value)."""
+    ``hp[slot]`` holds the values taken when the step was pushed, and the update count ``t``
+    set when it runs); ``deps`` only order it after every other reader of ``w``. Returns a
+    0-d token (the node's value)."""
     lr, wd, t, rescale, owned, clip = hp[slot]
     holder = step.weights[slot]
     res = step.opt.step_kernel(w, g, step.states[slot]["arrays"], lr, wd, int(t), rescale,
@@ -532,9 +533,8 @@ class TrainStep:
             st = known.get((i, dev))
             if st is None:
                 st = tr._state((i, dev), w)
-            st["t"] += 1
             w._version += 1
-            rows.append([lr * p.lr_mult, wd * p.wd_mult, st["t"], rescale, 0.0, clip])
+            rows.append([lr * p.lr_mult, wd * p.wd_mult, 0, rescale, 0.0, clip])   # t: at run
             weights.append(w)
             states.append(st)
         # the program's hyperparams input: its rows as Python lists (the update nodes only
@@ -565,8 +565,11 @@ class TrainStep:
             e.opt, e.weights, e.states = opt, weights, states     # read by the update nodes
             for k, w in enumerate(weights):
                 hp[k][4] = 1.0 if owned(w) else 0.0
+                hp[k][2] = states[k]["t"] + 1   # counted when the step runs (see Optimizer.update)
             arrays = [data._data, label._data] + [a._data for a in pvals] + [hp]
             res = fn(*arrays, _rng=rs.gen) if rs is not None else fn(*arrays)
+            for k, st in enumerate(states):
+                st["t"] = hp[k][2]
             loss._data = res[0]
             for s, v in zip(side_nd, res[1 + n_tok:]):
                 s._data = v

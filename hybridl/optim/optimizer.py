@@ -118,19 +118,21 @@ class Optimizer:
     def update(self, weight, grad, state, lr_mult=1.0, wd_mult=1.0, priority=0):
         """Push one engine op: ``weight`` and ``state`` are updated from ``grad``.
 
-        ``state`` is a dict {'t': int, 'arrays': {name: np.ndarray}, 'var': engine Var}.
+        ``state`` is a dict {'t': int, 'arrays': {name: np.ndarray}, 'var': engine Var}; its
+        count ``t`` goes up when the update runs (an update skipped because the gradient
+        failed does not count, so Adam's bias correction stays that of the updates made).
         """
         lr, wd = self.lr * lr_mult, self.wd * wd_mult
         rescale, clip = self.rescale_grad, self.clip_gradient
         weight._version += 1
-        state["t"] += 1
-        t = state["t"]
         kern = self.step_kernel
 
         def update():
+            t = state["t"] + 1
             out = weight._data if _owned(weight) else None
             weight._data = kern(weight._data, grad._data, state["arrays"], lr, wd, t, rescale, clip,
                                 out=out)
+            state["t"] = t
 
         _engine.push(update, [grad._var], [weight._var, state["var"]], weight.device,
                      priority, f"{type(self).__name__.lower()}_update", pure=True)
@@ -144,15 +146,15 @@ class Optimizer:
         jobs = []
         for weight, grad, state, lr_mult, wd_mult in items:
             weight._version += 1
-            state["t"] += 1
-            jobs.append((weight, grad, state["arrays"], self.lr * lr_mult, self.wd * wd_mult,
-                         state["t"]))
+            jobs.append((weight, grad, state, self.lr * lr_mult, self.wd * wd_mult))
         kern = self.step_kernel
 
-        def update():
-            for w, g, arrays, lr, wd, t in jobs:
+        def update():                       # counts go up as the updates run (see update)
+            for w, g, st, lr, wd in jobs:
+                t = st["t"] + 1
                 out = w._data if _owned(w) else None
-                w._data = kern(w._data, g._data, arrays, lr, wd, t, rescale, clip, out=out)
+                w._data = kern(w._data, g._data, st["arrays"], lr, wd, t, rescale, clip, out=out)
+                st["t"] = t
 
         _engine.push(update, [it[1]._var for it in items],
                      [it[0]._var for it in items] + [it[2]["var"] for it in items], device,
