@@ -316,6 +316,57 @@ def test_a_failed_step_does_not_count_for_adam(compiled):
         np.testing.assert_array_equal(a, b)
 
 
+def test_an_error_no_sync_point_raised_stops_the_next_step():
+    """A failing op on the gradients (here a user's clipping op) makes its update be skipped,
+    the weights staying usable; the loss does not depend on it, so no sync point raises it:
+    the next trainer.step does (it used to go unnoticed, every update skipped), once."""
+    net = hl.nn.Dense(3, in_units=6)
+    net.initialize()
+    trainer = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+    loss_fn = hl.loss.SoftmaxCrossEntropyLoss()
+    x = hl.nd.array(np.random.default_rng(0).random((4, 6)), dtype="float32")
+    y = hl.nd.array(np.array([0, 1, 2, 0]))
+    w = net.weight.data()
+
+    def step(bad):
+        with autograd.record():
+            loss = loss_fn(net(x), y)
+        loss.backward()
+        if bad:
+            g = w.grad
+
+            def clip():
+                g._data = np.clip(g._data, -1.0)          # a bug: a_max missing
+            hl.engine.push(clip, [g._var], [g._var], name="clip_grad")
+        trainer.step(4)
+        return loss.asnumpy()
+    step(False)
+    before = w.asnumpy()
+    step(True)                                          # loss fine, update skipped
+    np.testing.assert_array_equal(w.asnumpy(), before)  # weights unchanged and readable
+    with pytest.raises(hl.OpError, match="clip_grad"):
+        step(False)
+    step(False)                                         # raised once: training goes on
+    assert not np.array_equal(w.asnumpy(), before)
+    with pytest.raises(hl.OpError, match="clip_grad"):
+        hl.waitall()                                    # and once more by waitall, as always
+    hl.waitall()
+
+
+def test_writing_a_failed_value_into_a_parameter_still_fails_its_reads():
+    """Only optimizer updates leave the weights clean when skipped: set_data of a value whose
+    op failed marks the parameter failed, as any array (nothing is dropped in silence)."""
+    net = hl.nn.Dense(2, in_units=3)
+    net.initialize()
+    bad = hl.nd.array(np.zeros((2, 3), np.float32)) / hl.nd.array(np.zeros((2, 3), np.int64) + 1)
+    bad = hl.nd.take(bad, hl.nd.array([0, 5]), mode="raise")      # index 5 out of range
+    with pytest.raises(hl.OpError):
+        net.weight.set_data(bad)
+        net.weight.data().asnumpy()
+    with pytest.raises(hl.OpError):
+        hl.waitall()
+
+
 def test_cosine_schedule_values_and_use_in_fit():
     import math
     from hybridl import data, models, optim

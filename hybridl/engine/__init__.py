@@ -87,9 +87,10 @@ def set_engine(kind):
     return _EngineScope(prev)
 
 
-def push(fn, reads=(), writes=(), device=None, priority=0, name=None, meta=None, pure=False):
+def push(fn, reads=(), writes=(), device=None, priority=0, name=None, meta=None, pure=False,
+         skip_clean=False):
     """Push ``fn`` to the current engine (see :meth:`Engine.push`)."""
-    _current.push(fn, reads, writes, device, priority, name, meta, pure)
+    _current.push(fn, reads, writes, device, priority, name, meta, pure, skip_clean)
 
 
 def wait_for(var):

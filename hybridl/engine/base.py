@@ -15,9 +15,11 @@ The engine guarantees the result is the same as running every pushed ``fn`` in p
 Errors: an exception raised by ``fn`` is wrapped in :class:`OpError` (naming the op, keeping the
 original exception as ``__cause__`` and its formatted traceback in the message) and stored on
 every Var the op writes. An op that reads a failed Var does not run and passes the error on to
-the Vars it writes, except to Vars marked ``clean_on_skip`` (parameters and optimizer states:
-a skipped update leaves them as they were) or ``keep_clean`` (the RNG). The error is raised
-when a failed Var is waited for (``wait_for``) and by ``waitall()``.
+the Vars it writes, except to Vars marked ``keep_clean`` (the RNG) and from an op pushed with
+``skip_clean`` (an optimizer update: skipped for a failed gradient, it leaves the weights as
+they were, usable). The error is raised when a failed Var is waited for (``wait_for``), by
+``waitall()``, and by :meth:`Engine.raise_unreported` (the Trainer calls it every step, so an
+error no sync point raised, e.g. in a gradient op whose update was then skipped, is not lost).
 """
 import threading
 import time
@@ -36,19 +38,13 @@ class Var:
     :class:`OpError` of the last failed write (``None`` when the state is good).
     """
 
-    __slots__ = ("name", "exc", "_writer", "_readers", "keep_clean", "clean_on_skip",
-                 "__weakref__")
+    __slots__ = ("name", "exc", "_writer", "_readers", "keep_clean", "__weakref__")
 
-    def __init__(self, name=None, keep_clean=False, clean_on_skip=False):
+    def __init__(self, name=None, keep_clean=False):
         self.name = name
         self.exc = None
         # keep_clean: shared state (the RNG) that a failed op must not poison for everyone
         self.keep_clean = keep_clean
-        # clean_on_skip: state an op updates in place from other values (a parameter, an
-        # optimizer state): when the op is skipped because an input failed, the state keeps
-        # its value and stays usable (a bad batch skips one update; it does not make every
-        # later read of the weights fail); an error raised by the op itself still marks it
-        self.clean_on_skip = clean_on_skip
         self._writer = None      # last op that writes this Var (threaded engine bookkeeping)
         self._readers = []       # ops that read it since that write
 
@@ -97,6 +93,7 @@ class OpError(RuntimeError):
     def __init__(self, op_name, original, tb_text):
         self.op_name = op_name
         self.original = original
+        self.reported = False       # raised to the program once (a sync point, raise_unreported)
         super().__init__(
             f"operator {op_name!r} failed: {type(original).__name__}: {original}\n"
             f"--- original traceback (in the engine worker) ---\n{tb_text}"
@@ -110,7 +107,7 @@ class _BulkState(threading.local):
 
 class _Op:
     __slots__ = ("fn", "reads", "writes", "key", "priority", "name", "pending",
-                 "dependents", "done", "event", "meta", "seq", "pure", "cell")
+                 "dependents", "done", "event", "meta", "seq", "pure", "cell", "skip_clean")
 
     def __init__(self, fn, reads, writes, key, priority, name, meta, pure=False):
         self.fn = fn
@@ -126,6 +123,7 @@ class _Op:
         self.event = None
         self.pure = pure
         self.cell = None            # threaded engine: [average run time, runs] of the cost key
+        self.skip_clean = False     # skipped for a failed input: its writes stay clean
 
     def __lt__(self, other):            # heap order: higher priority first, then FIFO
         return (-self.priority, self.seq) < (-other.priority, other.seq)
@@ -145,7 +143,7 @@ class Engine:
 
     # ------------------------------------------------------------------ public interface
     def push(self, fn, reads=(), writes=(), device=None, priority=0, name=None, meta=None,
-             pure=False):
+             pure=False, skip_clean=False):
         """Schedule ``fn()`` after its dependencies; returns at once (see module docstring).
 
         Args:
@@ -161,6 +159,10 @@ class Engine:
                 ops with the same cost key have been taking less than ``inline_s`` (a thread
                 hand-over costs more than that). The cost key is ``pure`` itself unless it is
                 ``True`` (then the name), e.g. ``(op, input_shape, output_shape)``.
+            skip_clean (bool): when the op does not run because an input failed, its writes
+                keep their values and stay usable instead of taking the error (an optimizer
+                update skipped for a failed gradient leaves the weights as they were); an
+                error raised by ``fn`` itself still marks them.
 
         Raises:
             TypeError: ``fn`` is not callable or a read/write is not a Var.
@@ -183,11 +185,15 @@ class Engine:
                 self._flush_bulk()
                 b = self._bulk.buf
             b["key"] = device
-            b["ops"].append(_Op(fn, reads, writes, device, priority, name, meta, pure))
+            op = _Op(fn, reads, writes, device, priority, name, meta, pure)
+            op.skip_clean = skip_clean
+            b["ops"].append(op)
             if len(b["ops"]) >= b["size"]:
                 self._flush_bulk()
             return
-        self._push_op(_Op(fn, reads, writes, device, priority, name, meta, pure))
+        op = _Op(fn, reads, writes, device, priority, name, meta, pure)
+        op.skip_clean = skip_clean
+        self._push_op(op)
 
     def push_trusted(self, fn, reads, writes, device, priority, name, meta, pure):
         """:meth:`push` for the library's own hot path (the eager interpreter): ``reads`` and
@@ -250,7 +256,27 @@ class Engine:
             elif w is self._fresh:
                 self._waited_done(w)
         if var.exc is not None:
+            var.exc.reported = True
             raise var.exc
+
+    def raise_unreported(self):
+        """Raise the first error kept for ``waitall()`` that was never raised to the program
+        (no sync point waited for the failed op's results: e.g. a gradient op, whose update
+        was then skipped); it is marked raised, and ``waitall()`` still reports it once. The
+        Trainer calls this at every step, so that a failing backward stops the training loop
+        instead of every update being skipped in silence. Does not wait for running ops.
+
+        Raises:
+            OpError: that error.
+        """
+        if not self._errors:
+            return
+        with self._err_lock:
+            err = next((e for e in self._errors if not e.reported), None)
+            if err is None:
+                return
+            err.reported = True
+        raise err
 
     def waitall(self):
         """Block until all pushed ops have run; raise the first error since the last waitall.
@@ -360,9 +386,10 @@ class Engine:
             return err
         for v in op.reads:
             if v.exc is not None:           # an input failed: do not run, pass the error on
-                for w in op.writes:
-                    if not (w.keep_clean or w.clean_on_skip):
-                        w.exc = v.exc
+                if not op.skip_clean:
+                    for w in op.writes:
+                        if not w.keep_clean:
+                            w.exc = v.exc
                 return None
         prof = self.profiler
         cell = op.cell

@@ -102,7 +102,6 @@ class Parameter:
             arr = first if d == devices[0] else first.copyto(d)
             if self._grad_req != "null":
                 arr.attach_grad(self._grad_req)
-            arr._var.clean_on_skip = True   # an update skipped for a failed gradient: unchanged
             self._data[d] = arr
         self._deferred = None
 
@@ -214,7 +213,6 @@ class Parameter:
             arr = src.copyto(d)
             if self._grad_req != "null":
                 arr.attach_grad(self._grad_req)
-            arr._var.clean_on_skip = True
             self._data[d] = arr
 
     def __repr__(self):

@@ -134,8 +134,10 @@ class Optimizer:
                                 out=out)
             state["t"] = t
 
+        # skipped for a failed gradient (a bad batch): the weight and state stay usable
         _engine.push(update, [grad._var], [weight._var, state["var"]], weight.device,
-                     priority, f"{type(self).__name__.lower()}_update", pure=True)
+                     priority, f"{type(self).__name__.lower()}_update", pure=True,
+                     skip_clean=True)
 
 
     def update_many(self, items, device, priority=0):
@@ -158,7 +160,8 @@ class Optimizer:
 
         _engine.push(update, [it[1]._var for it in items],
                      [it[0]._var for it in items] + [it[2]["var"] for it in items], device,
-                     priority, f"{type(self).__name__.lower()}_update[{len(items)}]", pure=True)
+                     priority, f"{type(self).__name__.lower()}_update[{len(items)}]", pure=True,
+                     skip_clean=True)
 
 
 def _fast_ok(w, lr, rescale):

@@ -81,7 +81,7 @@ class Trainer:
         st = self._states.get(key)
         if st is None:
             st = self._states[key] = {"t": 0, "arrays": self._optimizer.create_state(weight),
-                                      "var": Var("optimizer_state", clean_on_skip=True)}
+                                      "var": Var("optimizer_state")}
         return st
 
     def _init_kvstore(self):
@@ -121,11 +121,18 @@ class Trainer:
 
         Raises:
             ValueError: batch_size <= 0.
+            OpError: an op failed (e.g. in an earlier step's backward) and no sync point raised
+                its error yet; raised after this step's update was pushed. An update skipped
+                because its gradient failed leaves the weights as they were.
         """
         check_batch_size(batch_size)
         self._ignore_stale = ignore_stale_grad
         self.allreduce_grads()
         self.update(batch_size)
+        # an error no sync point raised (a failing op on the gradients of an earlier step: its
+        # update was skipped, the weights stay usable) is raised here rather than going
+        # unnoticed; after this step's update was pushed, so no good step is lost to it
+        _engine.get_engine().raise_unreported()
 
     def update(self, batch_size):
         """Apply the optimizer (no gradient aggregation)."""
