@@ -367,6 +367,39 @@ def test_writing_a_failed_value_into_a_parameter_still_fails_its_reads():
         hl.waitall()
 
 
+def test_a_failed_train_step_leaves_weights_and_batch_norm_statistics_as_they_were():
+    """A TrainStep whose program fails before any update (a bad label) marks only its outputs
+    failed: the weights stay readable and the BatchNorm running statistics usable, so the next
+    steps run and [good, bad, good] equals [good, good], statistics included (the statistics
+    used to stay failed, and every later step failed with the old error)."""
+    def run(labels_seq):
+        hl.random.seed(0)
+        net = hl.nn.HybridSequential()
+        net.add(hl.nn.Dense(8, in_units=6), hl.nn.BatchNorm(in_channels=8),
+                hl.nn.Dense(3, in_units=8))
+        net.initialize()
+        trainer = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9})
+        step = hl.TrainStep(net, hl.loss.SoftmaxCrossEntropyLoss(), trainer)
+        x = hl.nd.array(np.random.default_rng(0).random((4, 6)), dtype="float32")
+        failed = 0
+        for labels in labels_seq:
+            try:
+                step(x, hl.nd.array(np.array(labels), dtype="float32")).asnumpy()
+            except hl.OpError:
+                failed += 1
+                net[0].weight.data().asnumpy()          # readable at once
+                with pytest.raises(hl.OpError):
+                    hl.waitall()
+        return failed, {k: p.data().asnumpy() for k, p in net.collect_params().items()}
+    good = [0.0, 1.0, 2.0, 0.0]
+    f1, v1 = run([good, [0.0, 2.5, 2.0, 0.0], good])
+    f0, v0 = run([good, good])
+    assert (f1, f0) == (1, 0) and v1.keys() == v0.keys()
+    assert any("running" in k for k in v1)
+    for k in v1:
+        np.testing.assert_array_equal(v1[k], v0[k], err_msg=k)
+
+
 def test_cosine_schedule_values_and_use_in_fit():
     import math
     from hybridl import data, models, optim

@@ -404,8 +404,11 @@ class Engine:
             op.fn()
         except BaseException as e:  # noqa: BLE001 - a user error must never kill a worker
             t1 = _now()
+            # an op that failed before changing some of its writes may say so: then only the
+            # others take the error (a TrainStep that failed before any update: its loss)
+            marked = getattr(e, "hybridl_failed_writes", None)
             err = _op_error(op.name, e)
-            for w in op.writes:
+            for w in op.writes if marked is None else marked:
                 if not w.keep_clean:
                     w.exc = err
             if prof is not None:

@@ -65,6 +65,7 @@ def _update_kernel(w, g, hp, *deps, slot, step, scratch, out=None):
     0-d token (the node's value)."""
     lr, wd, t, rescale, owned, clip = hp[slot]
     holder = step.weights[slot]
+    step.updated += 1                   # from here on the step has changed state
     res = step.opt.step_kernel(w, g, step.states[slot]["arrays"], lr, wd, int(t), rescale,
                                 None if clip != clip else clip,         # nan: no clipping
                                 out=w if owned else None, scratch=g if scratch else None)
@@ -96,8 +97,11 @@ def _gemm_update_kernel(w, g, x, hp, *deps, slot, step, out=None):
     lr, wd, t, rescale, owned, clip = hp[slot]
     coef = (step.opt.gemm_coefficients(lr, wd, rescale, None if clip != clip else clip)
             if owned else None)
-    if coef is not None and _blas.gemm_tn_accumulate(coef[0], g, x, coef[1], w):
-        return _TOKEN
+    if coef is not None:
+        step.updated += 1
+        if _blas.gemm_tn_accumulate(coef[0], g, x, coef[1], w):
+            return _TOKEN
+        step.updated -= 1
     _blas.for_gemm()
     grad = _dot2(g.T, x)
     return _update_kernel(w, grad, hp, slot=slot, step=step, scratch=True)
@@ -333,7 +337,7 @@ class _Entry:
     bound by each call's engine op before the program runs; calls are serialized by the
     engine, as each writes the weights)."""
     __slots__ = ("prog", "params", "upd", "tindex", "upd_pos", "read_pos", "side", "ckey",
-                 "random", "cost", "owned", "opt", "weights", "states")
+                 "random", "cost", "owned", "opt", "weights", "states", "updated")
 
 
 class TrainStep:
@@ -548,6 +552,9 @@ class TrainStep:
         rs = None
         reads = [data._var, label._var]
         reads += [pvals[j]._var for j in e.read_pos]        # the parameters not updated
+        # and those updated (written too): weights left failed by a step that failed half-way
+        # stop the next step instead of being trained on
+        reads += [w._var for w in weights]
         upd_ids = {id(w) for w in weights}
         writes = [loss._var] + [w._var for w in weights] + [st["var"] for st in states]
         if out is not None:
@@ -563,11 +570,17 @@ class TrainStep:
 
         def run():
             e.opt, e.weights, e.states = opt, weights, states     # read by the update nodes
+            e.updated = 0
             for k, w in enumerate(weights):
                 hp[k][4] = 1.0 if owned(w) else 0.0
                 hp[k][2] = states[k]["t"] + 1   # counted when the step runs (see Optimizer.update)
             arrays = [data._data, label._data] + [a._data for a in pvals] + [hp]
-            res = fn(*arrays, _rng=rs.gen) if rs is not None else fn(*arrays)
+            try:
+                res = fn(*arrays, _rng=rs.gen) if rs is not None else fn(*arrays)
+            except Exception as err:
+                if not e.updated:   # failed before any update: weights, states, statistics
+                    err.hybridl_failed_writes = [loss._var] + ([out._var] if out else [])
+                raise               # as they were (only the outputs take the error)
             for k, st in enumerate(states):
                 st["t"] = hp[k][2]
             loss._data = res[0]
