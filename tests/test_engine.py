@@ -951,3 +951,16 @@ def test_shutdown_cancels_queued_ops_and_their_waiters_get_an_error():
             e.wait_for(v)
     e.wait_for(a)                              # the running op finished normally
     assert ran == []
+
+
+def test_set_engine_context_switches_back_even_when_leaving_raises():
+    with hl.engine.set_engine("naive"):
+        naive = hl.engine.get_engine()
+        with pytest.raises(hl.OpError, match="boom"):
+            with hl.engine.set_engine("threaded") as eng:
+                assert eng is not naive and eng.name == "threaded"
+
+                def boom():
+                    raise ValueError("boom")
+                eng.push(boom, [], [Var("x")])
+        assert hl.engine.get_engine() is naive      # restored although the exit raised

@@ -61,7 +61,14 @@ class _EngineScope:
         return _current
 
     def __exit__(self, *exc):
-        set_engine(self.prev)
+        global _current
+        with _lock:
+            try:
+                _current.waitall()      # drain the engine being left; an error of its ops is
+            finally:                    # raised after switching back: a with block restores
+                _current = self.prev
+                from ..ops import _blas
+                _blas.set_budget(self.prev.blas_budget())
         return False
 
 
@@ -69,7 +76,8 @@ def set_engine(kind):
     """Switch engines: ``'naive'``, ``'threaded'`` or an Engine instance.
 
     Waits for all work of the previous engine first. Returns a context manager that switches
-    back on exit, so both ``set_engine('naive')`` and ``with set_engine('naive'):`` work.
+    back on exit, so both ``set_engine('naive')`` and ``with set_engine('naive'):`` work (on
+    exit it waits for the engine it leaves and switches back even when that wait raises).
 
     Raises:
         ValueError: unknown engine name.

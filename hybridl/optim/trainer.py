@@ -168,12 +168,18 @@ class Trainer:
             p.zero_grad()
 
     # ------------------------------------------------------------------ states
+    def _wait_states(self):
+        """Wait for the pending updates of every optimizer state (not for unrelated work: an
+        error of another op, already raised at its sync point, does not stop a checkpoint)."""
+        for st in list(self._states.values()):
+            _engine.wait_for(st["var"])
+
     def save_states(self, path):
         """Save optimizer state (safetensors; step counts and hyper-parameters in metadata),
         written to a temporary file then renamed."""
         from safetensors.numpy import save_file
         from ..nn.block import _atomic_write
-        _engine.waitall()
+        self._wait_states()
         tensors, counts = {}, {}
         for (i, d), st in self._states.items():
             key = f"{self._names[i]}@{d}"
@@ -206,7 +212,7 @@ class Trainer:
             raise ValueError(f"load_states: {path!r} holds {meta.get('optimizer')} state, this "
                              f"trainer uses {type(self._optimizer).__name__}")
         counts = json.loads(meta["counts"])
-        _engine.waitall()
+        self._wait_states()
         self._states = {}
         for i, p in enumerate(self._params):
             for d, w in zip(p.list_device(), p.list_data()):
