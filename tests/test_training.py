@@ -408,13 +408,17 @@ def test_save_states_after_a_handled_failure(tmp_path):
     trainer = hl.Trainer(net.collect_params(), "adam", {"learning_rate": 0.01})
     loss_fn = hl.loss.SoftmaxCrossEntropyLoss()
     x = hl.nd.array(np.random.default_rng(0).random((4, 6)), dtype="float32")
+    failed = 0
     for labels in ([0.0, 1.0, 2.0, 0.0], [0.0, 1.5, 2.0, 0.0]):
-        with autograd.record():
-            loss = loss_fn(net(x), hl.nd.array(np.array(labels), dtype="float32"))
-        loss.backward()
-        trainer.step(4)
-    with pytest.raises(hl.OpError):
-        loss.asnumpy()
+        try:                # raised by the loss's sync, or by trainer.step when it ran already
+            with autograd.record():
+                loss = loss_fn(net(x), hl.nd.array(np.array(labels), dtype="float32"))
+            loss.backward()
+            trainer.step(4)
+            loss.asnumpy()
+        except hl.OpError:
+            failed += 1
+    assert failed == 1
     trainer.save_states(str(tmp_path / "s.safetensors"))
     other = hl.Trainer(net.collect_params(), "adam", {"learning_rate": 0.01})
     other.load_states(str(tmp_path / "s.safetensors"))
