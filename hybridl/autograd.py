@@ -197,11 +197,17 @@ def _run_backward(heads, head_grads, retain_graph, create_graph, wanted=None):
         if g is None or x._grad is None:
             continue
         g = g[1]
-        if x._grad_req == "add":
+        add = x._grad_req == "add"
+        if add:
+            # accumulated: a micro-batch whose gradient failed leaves the sum of the others
+            # (skip_clean), as with the naive engine, where its backward raised before this
             g = M.add(x._grad, g)
         x._grad._fresh = True
         if type(x._grad) is not nd.NDArray or g.shape != x._grad.shape:
-            x._grad._assign(g)
+            x._grad._assign(g, skip_clean=add)
+            continue
+        if add:
+            x._grad._assign(g, priority=1, skip_clean=True)
             continue
         # above compute (priority 1): a gradient is bound as soon as the op that makes it has
         # run, so its allreduce (kvstore 'dist'/'device') can start while backward of earlier

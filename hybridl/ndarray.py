@@ -219,13 +219,14 @@ class NDArray:
 
     as_in_device = to
 
-    def _assign(self, src, priority=0):
-        """Write ``src``'s value into this array (an engine write of this Var, at ``priority``)."""
+    def _assign(self, src, priority=0, skip_clean=False):
+        """Write ``src``'s value into this array (an engine write of this Var, at ``priority``;
+        ``skip_clean``: when ``src`` failed, this array keeps its value, see Engine.push)."""
         if isinstance(src, NDArray):
             if src.shape != self.shape:
                 raise ValueError(f"assign: value of shape {src.shape} does not match destination "
                                  f"shape {self.shape}")
-            _assign_data(self, src, priority)
+            _assign_data(self, src, priority, skip_clean)
         else:
             self[...] = src
 
@@ -503,7 +504,7 @@ def _copy_meta(src):
     return {"flops": 0.0, "bytes": 2.0 * nbytes}
 
 
-def _assign_data(dst, src, priority=0):
+def _assign_data(dst, src, priority=0, skip_clean=False):
     """Engine op: dst's storage becomes src's value (cast to dst.dtype when they differ)."""
     dt = dst.dtype
     dst._version += 1
@@ -512,7 +513,8 @@ def _assign_data(dst, src, priority=0):
         d = src._data
         dst._data = d if d.dtype == dt else d.astype(dt)
 
-    _engine.push(assign, [src._var], [dst._var], dst.device, priority, name="assign", pure=True)
+    _engine.push(assign, [src._var], [dst._var], dst.device, priority, name="assign", pure=True,
+                 skip_clean=skip_clean)
 
 
 def assign_many(pairs, priority=0):

@@ -427,6 +427,39 @@ def test_save_states_after_a_handled_failure(tmp_path):
         hl.waitall()
 
 
+@pytest.mark.parametrize("engine", ["threaded", "naive"])
+def test_gradient_accumulation_keeps_the_good_micro_batches_of_a_failed_one(engine):
+    """grad_req='add': a micro-batch that fails (a bad label) adds nothing, the others'
+    gradients stay summed and the step applies them: [good, bad, good] then step equals
+    [good, good] then step, on both engines (the threaded engine dropped the whole step)."""
+    def run(micro):
+        with hl.engine.set_engine(engine):
+            hl.random.seed(0)
+            net = hl.nn.Dense(3, in_units=6)
+            net.initialize()
+            net.collect_params().setattr("grad_req", "add")
+            trainer = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+            loss_fn = hl.loss.SoftmaxCrossEntropyLoss()
+            x = hl.nd.array(np.random.default_rng(0).random((4, 6)), dtype="float32")
+            for labels in micro:
+                try:
+                    with autograd.record():
+                        loss = loss_fn(net(x), hl.nd.array(np.array(labels), dtype="float32"))
+                    loss.backward()
+                    loss.asnumpy()
+                except hl.OpError:
+                    pass
+            try:
+                hl.waitall()
+            except hl.OpError:
+                pass
+            trainer.step(4 * 2)
+            return [p.data().asnumpy() for p in net.collect_params().values()]
+    good = [0.0, 1.0, 2.0, 0.0]
+    for a, b in zip(run([good, [0.0, 0.5, 2.0, 0.0], good]), run([good, good])):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_cosine_schedule_values_and_use_in_fit():
     import math
     from hybridl import data, models, optim
