@@ -419,3 +419,43 @@ def test_train_cli_multi_device(strategy, capsys):
     assert rc == 0
     assert "epoch   1  loss" in out and "test acc" in out and "samples/s" in out
     assert f"on 2 devices ({strategy})" in out
+
+
+@pytest.mark.parametrize("engine", ["threaded", "naive"])
+def test_ring_allreduce_passes_a_failed_gradient_on_without_a_second_error(engine):
+    """kvstore='device', 2 devices, one device's batch fails (a label 1.5): the ring's ops on
+    the other device pass that error on instead of failing on a buffer never loaded (a
+    spurious 'NoneType is not subscriptable' at the next waitall, or raised by the naive
+    engine); the skipped update leaves every copy of the weights as it was."""
+    devs = [hl.cpu(0), hl.cpu(1)]
+    with hl.engine.set_engine(engine):
+        hl.random.seed(0)
+        net = nn.Dense(3, in_units=6)
+        net.initialize(device=devs)
+        trainer = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
+                             kvstore="device")
+        loss_fn = hl.loss.SoftmaxCrossEntropyLoss()
+        before = [p.data(d).asnumpy() for p in net.collect_params().values() for d in devs]
+        x = np.random.default_rng(1).random((8, 6)).astype("float32")
+        y = np.array([0, 1, 2, 0, 1, 2, 0, 1.5], "float32")
+        xs, ys = split_and_load(x, devs), split_and_load(y, devs)
+        errors = []
+        try:
+            with autograd.record():
+                losses = [loss_fn(net(a), b) for a, b in zip(xs, ys)]
+            for loss in losses:
+                loss.backward()
+            for loss in losses:
+                loss.asnumpy()
+        except hl.OpError as e:
+            errors.append(str(e))
+        try:
+            hl.waitall()
+        except hl.OpError as e:
+            errors.append(str(e))
+        assert errors and all("whole numbers" in e for e in errors), errors
+        trainer.step(8, ignore_stale_grad=True)   # the error was handled: the step is skipped
+        hl.waitall()                        # ... and reports nothing new
+        after = [p.data(d).asnumpy() for p in net.collect_params().values() for d in devs]
+        for a, b in zip(before, after):
+            np.testing.assert_array_equal(a, b)

@@ -103,7 +103,9 @@ def ring_allreduce(arrays, out=None, priority=0, extra_out=None, name="allreduce
             def add(i=i, r=r, c=c):
                 dst = chunk(r, c)
                 dst += chunk(i, c)          # in place into the receiver's private buffer
-            push(add, [cvars[i][c]], [cvars[r][c]], ("copy", devs[r]), priority,
+            # the receiver's chunk is read too: when its device's input failed (its buffer was
+            # never loaded), this op passes that error on instead of failing on its own
+            push(add, [cvars[i][c], cvars[r][c]], [cvars[r][c]], ("copy", devs[r]), priority,
                  f"{name}.reduce_scatter")
     # all-gather: step s, device r = i+1 receives the finished chunk (i + 1 - s) mod k from i
     for s in range(k - 1):
@@ -112,7 +114,7 @@ def ring_allreduce(arrays, out=None, priority=0, extra_out=None, name="allreduce
 
             def gather(i=i, r=r, c=c):
                 chunk(r, c)[...] = chunk(i, c)
-            push(gather, [cvars[i][c]], [cvars[r][c]], ("copy", devs[r]), priority,
+            push(gather, [cvars[i][c], cvars[r][c]], [cvars[r][c]], ("copy", devs[r]), priority,
                  f"{name}.all_gather")
 
     for i in range(k):
