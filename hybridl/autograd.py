@@ -12,6 +12,8 @@ API (as in MXNet Gluon): ``record(train_mode=True)``, ``pause(train_mode=False)`
 """
 import threading
 
+import numpy as np
+
 from .ops.registry import GradCtx
 
 __all__ = ["record", "pause", "is_recording", "is_training", "train_mode", "predict_mode",
@@ -125,6 +127,21 @@ def _topo(heads):
 _MODS = []      # [ndarray, ops.math] once imported (they import this module)
 
 
+def _ones_after(h, nd):
+    """The head gradient ``ones_like(h)``, made by an engine op that reads ``h``: when the op
+    computing the head failed, the whole backward is skipped with that same error instead of
+    running (the loss's gradient would check the same bad labels again: a second error for
+    one bad batch, raised later by an unrelated step)."""
+    from . import engine as _engine
+    out = nd.NDArray(h.shape, h.dtype, h.device)
+    shape, dt = h.shape, h.dtype
+
+    def ones():
+        out._data = np.ones(shape, dt)
+    _engine.push(ones, [h._var], [out._var], h.device, 0, "ones_like", pure=True)
+    return out
+
+
 def _run_backward(heads, head_grads, retain_graph, create_graph, wanted=None):
     if not _MODS:
         from . import ndarray
@@ -142,7 +159,7 @@ def _run_backward(heads, head_grads, retain_graph, create_graph, wanted=None):
             raise ValueError("backward: the head array is not part of a recorded graph; compute "
                              "it inside autograd.record() from arrays that called attach_grad()")
         if hg is None:
-            hg = nd.ones_like(h)
+            hg = _ones_after(h, nd)
         elif hg.shape != h.shape:
             raise ValueError(f"backward: out_grad shape {hg.shape} differs from the head's shape {h.shape}")
         grads[id(h)] = (h, hg) if id(h) not in grads else (h, M.add(grads[id(h)][1], hg))

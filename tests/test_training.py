@@ -460,6 +460,86 @@ def test_gradient_accumulation_keeps_the_good_micro_batches_of_a_failed_one(engi
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("batch, units", [(8, 4), (1, 1)])
+def test_train_step_returning_outputs_recovers_from_a_bad_batch(batch, units):
+    """TrainStep(return_outputs=True): a bad batch raises its own error once and the next
+    steps train (the failure handler tested the output array's truth value: a ValueError that
+    hid the real one and failed the weights for good, or, for a 1-element output, a wait on
+    the running op itself: a hang)."""
+    net = hl.nn.Dense(units, in_units=6)
+    net.initialize()
+    trainer = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+    step = hl.TrainStep(net, hl.loss.SoftmaxCrossEntropyLoss(), trainer, return_outputs=True)
+    x = hl.nd.array(np.random.default_rng(0).random((batch, 6)), dtype="float32")
+    good = hl.nd.array(np.zeros(batch, np.float32))
+    bad = hl.nd.array(np.full(batch, 0.5, np.float32))
+    raised = []
+    for i, y in enumerate([good] * 4 + [bad] + [good] * 3):
+        try:
+            loss, out = step(x, y)
+            loss.asnumpy()
+            out.asnumpy()
+        except hl.OpError as e:
+            raised.append((i, "whole numbers" in str(e)))
+    assert raised == [(4, True)]
+    net.weight.data().asnumpy()
+    with pytest.raises(hl.OpError, match="whole numbers"):
+        hl.waitall()
+    hl.waitall()
+
+
+def test_each_bad_batch_raises_once_and_none_is_lost():
+    """One bad batch raises one error (the loss's gradient no longer checks the same labels
+    again: a second error raised by the next, good step), a TrainStep whose loss is never read
+    raises at the next call, and errors already raised do not crowd out a new one when a loop
+    catches many without calling waitall."""
+    net = hl.nn.Dense(4, in_units=5)
+    net.initialize()
+    trainer = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+    loss_fn = hl.loss.SoftmaxCrossEntropyLoss()
+    x = hl.nd.array(np.random.default_rng(0).random((8, 5)), dtype="float32")
+    good = hl.nd.array(np.zeros(8, np.int64))
+    out_of_range = hl.nd.array(np.r_[99, np.zeros(7)].astype(np.int64))
+
+    def batch(y, read):
+        with autograd.record():
+            loss = loss_fn(net(x), y)
+        loss.backward()
+        trainer.step(8)
+        if read:
+            loss.asnumpy()
+    raised = []
+    for i in range(70):                 # many caught errors, no waitall: none may crowd out
+        try:
+            batch(out_of_range if i % 2 == 0 else good, read=True)
+        except hl.OpError:
+            raised.append(i)
+    assert raised == list(range(0, 70, 2))
+    raised = []
+    for i in range(4):                  # a bad batch whose loss is never read
+        try:
+            batch(out_of_range if i == 1 else good, read=False)
+        except hl.OpError:
+            raised.append(i)
+        net.weight.data().wait_to_read()    # the batch has run (the weights stay clean)
+    # raised once: by its own trainer.step when its ops ran inline already, else by the next
+    assert raised in ([1], [2])
+    with pytest.raises(hl.OpError):
+        hl.waitall()
+    hl.waitall()
+    step = hl.TrainStep(net, loss_fn, trainer)
+    raised = []
+    for i in range(4):
+        try:
+            step(x, out_of_range if i == 1 else good)
+        except hl.OpError:
+            raised.append(i)
+        net.weight.data().wait_to_read()    # the step has run (its weights stay clean)
+    assert raised in ([1], [2])             # by this or the next call, the loss never read
+    with pytest.raises(hl.OpError):
+        hl.waitall()
+
+
 def test_cosine_schedule_values_and_use_in_fit():
     import math
     from hybridl import data, models, optim

@@ -203,8 +203,12 @@ class Engine:
         self._push_op(_Op(fn, reads, writes, device, priority, name, meta, pure))
 
     def _keep_error(self, err):
-        """Remember ``err`` for the next waitall() (at most _MAX_PENDING_ERRORS of them)."""
+        """Remember ``err`` for the next waitall() (at most _MAX_PENDING_ERRORS of them; when
+        full, those already raised at a sync point make room: a program that catches many
+        errors without calling waitall must not lose a new one)."""
         with self._err_lock:
+            if len(self._errors) >= _MAX_PENDING_ERRORS:
+                self._errors = [e for e in self._errors if not e.reported]
             if len(self._errors) < _MAX_PENDING_ERRORS:
                 self._errors.append(err)
 

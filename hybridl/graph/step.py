@@ -520,7 +520,11 @@ class TrainStep:
             self._last = e
         else:
             cache.hits += 1
-        return self._run(e, data, label, dev, float(bs))
+        res = self._run(e, data, label, dev, float(bs))
+        # an earlier step's error that no sync point raised (its loss never read) is raised
+        # here, after this step was pushed, rather than lost (as Trainer.step does)
+        _engine.get_engine().raise_unreported()
+        return res
 
     def _run(self, e, data, label, dev, bs):
         tr = self.trainer
@@ -579,7 +583,7 @@ class TrainStep:
                 res = fn(*arrays, _rng=rs.gen) if rs is not None else fn(*arrays)
             except Exception as err:
                 if not e.updated:   # failed before any update: weights, states, statistics
-                    err.hybridl_failed_writes = [loss._var] + ([out._var] if out else [])
+                    err.hybridl_failed_writes = [loss._var] + ([out._var] if out is not None else [])
                 raise               # as they were (only the outputs take the error)
             for k, st in enumerate(states):
                 st["t"] = hp[k][2]
