@@ -61,15 +61,19 @@ class _EngineScope:
         return _current
 
     def __exit__(self, *exc):
-        global _current
         with _lock:
             try:
                 _current.waitall()      # drain the engine being left; an error of its ops is
             finally:                    # raised after switching back: a with block restores
-                _current = self.prev
-                from ..ops import _blas
-                _blas.set_budget(self.prev.blas_budget())
+                _switch(self.prev)
         return False
+
+
+def _switch(new):                           # _lock held
+    global _current
+    _current = new
+    from ..ops import _blas
+    _blas.set_budget(new.blas_budget())     # BLAS threads: cores // its compute workers
 
 
 def set_engine(kind):
@@ -84,14 +88,11 @@ def set_engine(kind):
         OpError: an op of the previous engine failed (raised by its ``waitall``); the engine is
             not switched then.
     """
-    global _current
     new = _make(kind)
     with _lock:
         prev = _current
         prev.waitall()          # an error of the old engine raises here; no switch then (a
-        _current = new          # ``with`` that raises at entry must not leave the engine changed)
-        from ..ops import _blas
-        _blas.set_budget(new.blas_budget())     # BLAS threads: cores // its compute workers
+        _switch(new)            # ``with`` that raises at entry must not leave the engine changed)
     return _EngineScope(prev)
 
 

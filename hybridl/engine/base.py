@@ -109,7 +109,8 @@ class _Op:
     __slots__ = ("fn", "reads", "writes", "key", "priority", "name", "pending",
                  "dependents", "done", "event", "meta", "seq", "pure", "cell", "skip_clean")
 
-    def __init__(self, fn, reads, writes, key, priority, name, meta, pure=False):
+    def __init__(self, fn, reads, writes, key, priority, name, meta, pure=False,
+                 skip_clean=False):
         self.fn = fn
         self.reads = reads
         self.writes = writes
@@ -123,7 +124,7 @@ class _Op:
         self.event = None
         self.pure = pure
         self.cell = None            # threaded engine: [average run time, runs] of the cost key
-        self.skip_clean = False     # skipped for a failed input: its writes stay clean
+        self.skip_clean = skip_clean    # skipped for a failed input: its writes stay clean
 
     def __lt__(self, other):            # heap order: higher priority first, then FIFO
         return (-self.priority, self.seq) < (-other.priority, other.seq)
@@ -185,15 +186,12 @@ class Engine:
                 self._flush_bulk()
                 b = self._bulk.buf
             b["key"] = device
-            op = _Op(fn, reads, writes, device, priority, name, meta, pure)
-            op.skip_clean = skip_clean
-            b["ops"].append(op)
+            b["ops"].append(_Op(fn, reads, writes, device, priority, name, meta, pure,
+                                skip_clean))
             if len(b["ops"]) >= b["size"]:
                 self._flush_bulk()
             return
-        op = _Op(fn, reads, writes, device, priority, name, meta, pure)
-        op.skip_clean = skip_clean
-        self._push_op(op)
+        self._push_op(_Op(fn, reads, writes, device, priority, name, meta, pure, skip_clean))
 
     def push_trusted(self, fn, reads, writes, device, priority, name, meta, pure):
         """:meth:`push` for the library's own hot path (the eager interpreter): ``reads`` and

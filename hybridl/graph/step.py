@@ -97,11 +97,9 @@ def _gemm_update_kernel(w, g, x, hp, *deps, slot, step, out=None):
     lr, wd, t, rescale, owned, clip = hp[slot]
     coef = (step.opt.gemm_coefficients(lr, wd, rescale, None if clip != clip else clip)
             if owned else None)
-    if coef is not None:
-        step.updated += 1
-        if _blas.gemm_tn_accumulate(coef[0], g, x, coef[1], w):
-            return _TOKEN
-        step.updated -= 1
+    if coef is not None and _blas.gemm_tn_accumulate(coef[0], g, x, coef[1], w):
+        step.updated += 1               # (one BLAS call: it writes w whole or not at all)
+        return _TOKEN
     _blas.for_gemm()
     grad = _dot2(g.T, x)
     return _update_kernel(w, grad, hp, slot=slot, step=step, scratch=True)
@@ -583,8 +581,9 @@ class TrainStep:
                 res = fn(*arrays, _rng=rs.gen) if rs is not None else fn(*arrays)
             except Exception as err:
                 if not e.updated:   # failed before any update: weights, states, statistics
-                    err.hybridl_failed_writes = [loss._var] + ([out._var] if out is not None else [])
-                raise               # as they were (only the outputs take the error)
+                    # as they were (only the outputs take the error)
+                    err.hybridl_failed_writes = [v._var for v in (loss, out) if v is not None]
+                raise
             for k, st in enumerate(states):
                 st["t"] = hp[k][2]
             loss._data = res[0]

@@ -493,5 +493,5 @@ AVGPOOL_GRAD.grad = _g_avgpool_grad
 AVGPOOL_GRAD.differentiable = True
 
 __all__ = ["softmax", "log_softmax", "softmax_cross_entropy", "class_indices", "conv2d",
-           "max_pool2d", "avg_pool2d", "global_avg_pool2d", "batch_norm", "layer_norm", "dropout", "embedding",
-           "take_grad"]
+           "max_pool2d", "avg_pool2d", "global_avg_pool2d", "batch_norm", "layer_norm", "dropout",
+           "embedding", "take_grad"]
