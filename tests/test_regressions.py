@@ -311,3 +311,24 @@ def test_hybridized_layer_before_a_layer_of_another_float_type_backpropagates():
         grads.append(a.weight.grad().asnumpy())
     assert grads[1].dtype == np.float32
     np.testing.assert_allclose(grads[1], grads[0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 3), (0, 3), (1, 3, 1, 1)])
+def test_batch_norm_predicts_one_sample_with_the_running_statistics(shape):
+    bn = nn.BatchNorm(in_channels=3, dtype="float64")
+    bn.initialize()
+    rng = np.random.default_rng(0)
+    rm, rv = rng.standard_normal(3), rng.random(3) + 0.5
+    g, b = rng.standard_normal(3), rng.standard_normal(3)
+    bn.running_mean.set_data(rm)
+    bn.running_var.set_data(rv)
+    bn.gamma.set_data(g)
+    bn.beta.set_data(b)
+    x = rng.standard_normal(shape)
+    c = (1, 3) + (1,) * (len(shape) - 2)
+    want = (x - rm.reshape(c)) / np.sqrt(rv.reshape(c) + 1e-5) * g.reshape(c) + b.reshape(c)
+    for hyb in (False, True):
+        bn.hybridize(hyb)
+        np.testing.assert_allclose(bn(nd.array(x)).asnumpy(), want, rtol=1e-12)
+    with pytest.raises(ValueError, match="more than one value per channel"), ag.record():
+        bn(nd.array(np.ones((1, 3))))

@@ -320,13 +320,19 @@ def global_avg_pool2d(x):
 # ============================================================================ normalization
 
 
-def _bn_infer(x, gamma, beta, eps, axis):
+def _bn_check(x, gamma, beta, axis):
+    """Shapes of batch norm's inputs (both modes); returns C."""
     check_float("batch_norm", x)
     C = x.shape[axis]
     for n, p in (("gamma", gamma), ("beta", beta)):
         if tuple(p.shape) != (C,):
             raise ValueError(f"batch_norm: {n} must have shape ({C},) (channels on axis {axis} of "
                              f"{x.shape}), got {p.shape}")
+    return C
+
+
+def _bn_infer(x, gamma, beta, eps, axis):
+    C = _bn_check(x, gamma, beta, axis)
     if numel(x.shape) // max(C, 1) < 2:
         raise ValueError(f"batch_norm: training needs more than one value per channel to compute "
                          f"batch statistics, got input shape {x.shape} (use predict mode, a larger "
@@ -352,7 +358,13 @@ BN_GRAD = register("batch_norm_grad",
 
 
 def _bn_infer_infer(x, gamma, beta, rm, rv, eps, axis):
-    return _bn_infer(x, gamma, beta, eps, axis)[:1]
+    # predict mode uses the running statistics: any batch size (1, or 0) is fine
+    C = _bn_check(x, gamma, beta, axis)
+    for n, p in (("running_mean", rm), ("running_var", rv)):
+        if tuple(p.shape) != (C,):
+            raise ValueError(f"batch_norm: {n} must have shape ({C},) (channels on axis {axis} of "
+                             f"{x.shape}), got {p.shape}")
+    return [(x.shape, x.dtype)]
 
 
 def _g_bn_infer(c, g):
