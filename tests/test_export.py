@@ -249,3 +249,95 @@ def test_tampered_graph_is_rejected_at_import(tmp_path, tamper, msg):
     bad.write_text(json.dumps(d))
     with pytest.raises(ValueError, match=msg):
         hl.nn.SymbolBlock.imports(str(bad), None, par)
+
+
+def _op_node(d, name=None):
+    return next(n for n in d["nodes"] if n["kind"] == "op" and (name is None or n["op"] == name))
+
+
+@pytest.mark.parametrize("tamper,msg", [
+    # an attribute name is a keyword argument and, hybridized, generated code: no injection
+    (lambda d: _op_node(d)["attrs"].__setitem__(
+        "x=0) or __import__('os').system('touch PWNED') or k0(v0, y", 1), "not a plain identifier"),
+    (lambda d: _op_node(d)["attrs"].__setitem__("foo", 1), "do not fit the op"),
+    (lambda d: _op_node(d).__setitem__("op", "fused_elementwise"), "internal to compiled programs"),
+    (lambda d: _op_node(d, "fully_connected")["specs"][0].__setitem__(0, [2, 99]),
+     r"declared float32 \[2, 99\]"),
+    (lambda d: d["params"][0].__setitem__("dtype", "float99"), "unsupported dtype 'float99'"),
+    (lambda d: d["params"][0].__setitem__("dtype", "float64"), "its node"),
+    (lambda d: d["inputs"].append(dict(d["inputs"][0])), "listed more than once"),
+    (lambda d: d.__setitem__("outputs", []), "non-empty list"),
+    (lambda d: d.__setitem__("version", True), "version True"),
+])
+def test_graph_files_that_would_run_code_or_lie_are_rejected_at_import(tmp_path, tamper, msg):
+    import copy
+    net = hl.models.mlp((8,), 3)
+    net.initialize()
+    net.hybridize()
+    net(hl.nd.ones((2, 5)))
+    sym, par = net.export(str(tmp_path / "m"))
+    d = copy.deepcopy(json.load(open(sym)))
+    tamper(d)
+    bad = tmp_path / "bad-symbol.json"
+    bad.write_text(json.dumps(d))
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with pytest.raises(ValueError, match=msg):
+            hl.nn.SymbolBlock.imports(str(bad), None, par)
+    finally:
+        os.chdir(cwd)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_imported_parameters_and_constants_must_match_the_graph(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    class Scaled(nn.HybridBlock):
+        def __init__(self):
+            super().__init__()
+            self.d = nn.Dense(2, in_units=3)
+
+        def forward(self, x):
+            return self.d(x) * nd.array(np.array([2.0, 3.0], np.float32))
+    net = Scaled()
+    net.initialize()
+    x = nd.ones((2, 3))
+    sym, par = net.export(str(tmp_path / "m"), x)
+    t = load_file(par)
+    assert any(k.startswith("__const__/") for k in t)
+    for change, msg in ((lambda t: t.__setitem__("d.weight", t["d.weight"].astype(np.float64)),
+                         "has dtype float64, the graph expects float32"),
+                        (lambda t: [t.__setitem__(k, v[:1]) for k, v in list(t.items())
+                                    if k.startswith("__const__/")], "the graph expects float32")):
+        t2 = dict(t)
+        change(t2)
+        save_file(t2, par)
+        with pytest.raises(ValueError, match=msg):
+            hl.nn.SymbolBlock.imports(sym, ["data0"], par)
+    save_file(t, par)
+    with pytest.raises(ValueError, match=r"input\(s\) are \['data0'\], got \['x'\]"):
+        hl.nn.SymbolBlock.imports(sym, ["x"], par)
+    import pathlib
+    blk = hl.nn.SymbolBlock.imports(pathlib.Path(sym))     # a Path; the param file derived
+    np.testing.assert_array_equal(blk(x).asnumpy(), net(x).asnumpy())
+
+
+def test_imported_block_returns_copies_of_inputs_and_parameters(tmp_path):
+    class Both(nn.HybridBlock):
+        def __init__(self):
+            super().__init__()
+            self.d = nn.Dense(2, in_units=3)
+
+        def forward(self, x):
+            return x * 1, self.d(x)            # x * 1 simplifies to x: an output that is an input
+    net = Both()
+    net.initialize()
+    x = nd.ones((2, 3))
+    sym, par = net.export(str(tmp_path / "m"), x)
+    blk = hl.nn.SymbolBlock.imports(sym, ["data0"], par)
+    for hyb in (False, True):
+        blk.hybridize(hyb)
+        a, b = blk(x)
+        a[:] = 5
+        np.testing.assert_array_equal(x.asnumpy(), np.ones((2, 3), np.float32))

@@ -332,3 +332,14 @@ def test_batch_norm_predicts_one_sample_with_the_running_statistics(shape):
         np.testing.assert_allclose(bn(nd.array(x)).asnumpy(), want, rtol=1e-12)
     with pytest.raises(ValueError, match="more than one value per channel"), ag.record():
         bn(nd.array(np.ones((1, 3))))
+
+
+@pytest.mark.parametrize("bad", ["flaot32", "float99", "flt"])
+def test_misspelled_dtype_names_are_refused(bad):
+    # NumPy compares None equal to float64, so a dtype that failed to parse used to pass
+    with pytest.raises(TypeError, match=f"got '{bad}'"):
+        nd.zeros((2,), dtype=bad)
+    with pytest.raises(TypeError, match=f"got '{bad}'"):
+        hl.nn.Parameter("w", (2,), bad)
+    with pytest.raises(TypeError, match=f"got '{bad}'"):
+        hl.sym.var("x", (2,), bad)

@@ -13,6 +13,7 @@ are bound as globals of the generated code; ``Program.source`` shows the text, e
         v8 = k1(v7, out=b0)                         # relu (in place)
         return (v8,)
 """
+import keyword
 import math
 
 import numpy as np
@@ -70,6 +71,9 @@ def generate(graph, name="program"):
             g[kn] = op.kernel
         call_args = [names[s.key()] for s in n.inputs]
         for k, v in n.attrs.items():
+            if not (isinstance(k, str) and k.isidentifier() and not keyword.iskeyword(k)):
+                raise ValueError(f"node {n.id} ({op.name}): attribute name {k!r} is not an "
+                                 f"identifier; it cannot be passed to the kernel")
             if _literal(v):
                 call_args.append(f"{k}={v!r}")
             else:

@@ -127,9 +127,11 @@ def load_graph_json(path):
             doc = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"symbol_file: {path!r} is not valid JSON ({e})") from None
+    except RecursionError:
+        raise ValueError(f"symbol_file: {path!r} is nested too deeply to be a hybridl graph") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError(f"symbol_file: {path!r} is not a hybridl graph (format {FORMAT!r} expected)")
-    if doc.get("version") != VERSION:
+    if type(doc.get("version")) is not int or doc.get("version") != VERSION:
         raise ValueError(f"symbol_file: {path!r} has version {doc.get('version')}, expected {VERSION}")
     seen = {}                     # node id -> number of outputs
 
@@ -145,17 +147,38 @@ def load_graph_json(path):
             bad(f"{where}: node {r[0]} has {seen[r[0]]} output(s), index {r[1]} is out of range")
 
     try:
+        if not isinstance(doc["nodes"], list) or not doc["nodes"]:
+            bad(f"'nodes' must be a non-empty list, got {type(doc['nodes']).__name__}")
+        if not isinstance(doc["outputs"], list) or not doc["outputs"]:
+            bad("'outputs' must be a non-empty list of [node_id, output_index]")
         for n in doc["nodes"]:
             if n["kind"] not in ("input", "param", "const", "op"):
                 bad(f"node {n['id']} has unknown kind {n['kind']!r}")
+            if not isinstance(n["id"], int) or isinstance(n["id"], bool):
+                bad(f"node ids must be integers, got {n['id']!r}")
             for spec in n["specs"]:
                 shp, dt = spec
-                if not isinstance(shp, list) or not all(isinstance(d, int) and d >= 0 for d in shp):
+                if not isinstance(shp, list) or not all(isinstance(d, int) and not isinstance(d, bool)
+                                                        and d >= 0 for d in shp):
                     bad(f"node {n['id']}: shape must be a list of integers >= 0, got {shp!r}")
+                _dtype(dt, f"node {n['id']}", bad)
             if n["kind"] == "op":
+                if n["op"] in _NOT_EXPORTED:
+                    bad(f"node {n['id']}: op {n['op']!r} is internal to compiled programs and never "
+                        f"exported")
                 _op(n["op"], path)
                 for r in n["inputs"]:
                     ref(r, f"node {n['id']} input")
+                if not isinstance(n["attrs"], dict):
+                    bad(f"node {n['id']}: 'attrs' must be an object, got {type(n['attrs']).__name__}")
+                for k in n["attrs"]:
+                    # attribute names become keyword arguments (and, hybridized, generated
+                    # code): plain identifiers only
+                    if not _attr_name_ok(k):
+                        bad(f"node {n['id']}: attribute name {k!r} is not a plain identifier")
+                why = _signature_mismatch(_op(n["op"], path), len(n["inputs"]), n["attrs"])
+                if why:
+                    bad(f"node {n['id']} ({n['op']}): {why}")
             if n["id"] in seen:
                 bad(f"node id {n['id']} appears twice")
             seen[n["id"]] = len(n["specs"])
@@ -167,15 +190,63 @@ def load_graph_json(path):
                 if kinds.get(e["node"]) != kind:
                     bad(f"{what} entry {e.get('name')!r} refers to node {e['node']}, which is not "
                         f"an {kind} node")
-        listed = {e["node"] for e in doc["inputs"]} | {e["node"] for e in doc["params"]}
+        listed_all = [e["node"] for e in doc["inputs"]] + [e["node"] for e in doc["params"]]
+        listed = set(listed_all)
+        if len(listed) != len(listed_all):
+            bad("a node is listed more than once in 'inputs'/'params'")
+        pnames = [e["name"] for e in doc["params"]]
+        if len(set(pnames)) != len(pnames):
+            bad("a parameter name is listed more than once in 'params'")
         for n in doc["nodes"]:
             if n["kind"] in ("input", "param") and n["id"] not in listed:
                 bad(f"{n['kind']} node {n['id']} is not listed in 'inputs'/'params'")
-    except (KeyError, TypeError, ValueError) as e:
+        specs = {n["id"]: n["specs"] for n in doc["nodes"]}
+        for what in ("inputs", "params"):
+            for e in doc[what]:
+                _dtype(e["dtype"], f"{what} entry {e.get('name')!r}", bad)
+                if [[list(e["shape"]), e["dtype"]]] != specs[e["node"]]:
+                    bad(f"{what} entry {e.get('name')!r} says {e['dtype']} {list(e['shape'])}, its "
+                        f"node {e['node']} says {specs[e['node']]}")
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         if isinstance(e, ValueError) and str(e).startswith("symbol_file"):
             raise
         raise ValueError(f"symbol_file: {path!r} is malformed (missing or bad field {e})") from None
     return doc
+
+
+# ops that only compiled programs contain (fusion output: its expression string goes to
+# numexpr); an exported graph never holds them
+_NOT_EXPORTED = frozenset({"fused_elementwise"})
+
+
+def _signature_mismatch(op, n_inputs, attrs):
+    """Why ``op``'s kernel cannot take ``n_inputs`` arrays and these attributes, or None."""
+    import inspect
+    try:
+        sig = inspect.signature(op.kernel)
+    except (TypeError, ValueError):          # a builtin without a signature: not checked
+        return None
+    try:
+        sig.bind(*([None] * n_inputs), **attrs)
+    except TypeError as e:
+        return f"{n_inputs} input(s) and attributes {sorted(attrs)} do not fit the op ({e})"
+    return None
+
+
+def _attr_name_ok(k):
+    import keyword
+    return isinstance(k, str) and k.isidentifier() and not keyword.iskeyword(k) and not k.startswith("_")
+
+
+def _dtype(dt, where, bad):
+    from ..ops._util import SUPPORTED_DTYPES
+    try:
+        d = np.dtype(dt) if isinstance(dt, str) else None
+    except (TypeError, ValueError):
+        d = None
+    if d is None or d not in SUPPORTED_DTYPES:
+        bad(f"{where}: unsupported dtype {dt!r}")
+    return d
 
 
 def _op(name, path="<graph>"):
@@ -186,6 +257,14 @@ def _op(name, path="<graph>"):
     if op is None:
         raise ValueError(f"symbol_file: {path!r} uses unknown op {name!r}")
     return op
+
+
+def _copy(x):
+    from ..ndarray import NDArray
+    if isinstance(x, NDArray):
+        return x.copyto(x.device)
+    from ..ops import math as M             # traced (a Symbol): hybridized outputs are copies
+    return M.identity(x)
 
 
 def _get_block_base():
@@ -224,15 +303,19 @@ class SymbolBlock(_get_block_base()):
             match, parameters missing from or mis-shaped in the parameter file.
         """
         from safetensors.numpy import load_file
+        symbol_file = os.fspath(symbol_file)
         doc = load_graph_json(symbol_file)
         names = [i["name"] for i in doc["inputs"]]
         if input_names is not None:
             given = [input_names] if isinstance(input_names, str) else list(input_names)
-            if len(given) != len(names):
-                raise ValueError(f"input_names: the graph has {len(names)} input(s) {names}, "
-                                 f"got {given}")
+            if given != names:
+                raise ValueError(f"input_names: the graph's input(s) are {names}, got {given}")
         if param_file is None:
-            param_file = symbol_file.replace("-symbol.json", ".safetensors")
+            if not symbol_file.endswith("-symbol.json"):
+                raise ValueError(f"param_file: not given, and symbol_file {symbol_file!r} does not "
+                                 f"end in '-symbol.json' to derive it from")
+            param_file = symbol_file[:-len("-symbol.json")] + ".safetensors"
+        param_file = os.fspath(param_file)
         if not os.path.exists(param_file):
             raise FileNotFoundError(f"param_file: no such file: {param_file!r}")
         try:
@@ -247,6 +330,9 @@ class SymbolBlock(_get_block_base()):
             if list(a.shape) != list(pd["shape"]):
                 raise ValueError(f"param_file: parameter {pd['name']!r} has shape {list(a.shape)}, "
                                  f"the graph expects {pd['shape']}")
+            if a.dtype != np.dtype(pd["dtype"]):
+                raise ValueError(f"param_file: parameter {pd['name']!r} has dtype {a.dtype}, the "
+                                 f"graph expects {pd['dtype']}")
             params[pd["name"]] = a
         try:
             consts = {int(k.split("/", 1)[1]): v for k, v in tensors.items()
@@ -256,10 +342,36 @@ class SymbolBlock(_get_block_base()):
         missing = [n["id"] for n in doc["nodes"] if n["kind"] == "const" and n["id"] not in consts]
         if missing:
             raise ValueError(f"param_file: {param_file!r} lacks the constants of nodes {missing}")
+        for n in doc["nodes"]:
+            if n["kind"] == "const":
+                c = consts[n["id"]]
+                (shp, dt), = n["specs"]
+                if list(c.shape) != list(shp) or c.dtype != np.dtype(dt):
+                    raise ValueError(f"param_file: constant of node {n['id']} is {c.dtype} "
+                                     f"{list(c.shape)}, the graph expects {dt} {list(shp)}")
         blk = SymbolBlock(doc, params, consts)
+        blk._validate(symbol_file)
         if device is not None:
             blk.reset_device(device)
         return blk
+
+    def _validate(self, symbol_file):
+        """Infer every node's output shapes and dtypes symbolically (no kernel runs) at the
+        exported input shapes; a node whose op rejects its inputs or attributes, or whose
+        result differs from what the file declares, is an error now rather than at a call."""
+        from .. import nd
+        from .hybrid import trace_graph
+        args = [nd.zeros(tuple(i["shape"]), i["dtype"]) for i in self._doc["inputs"]]
+        try:
+            with autograd.predict_mode():
+                trace_graph(self.forward, args)
+        except ValueError as e:
+            if str(e).startswith("symbol_file"):
+                raise ValueError(f"symbol_file: {symbol_file!r}: {str(e)[len('symbol_file: '):]}") from None
+            raise ValueError(f"symbol_file: {symbol_file!r} does not describe a valid graph: {e}") from None
+        except Exception as e:  # noqa: BLE001 - any op rejecting the file's attributes
+            raise ValueError(f"symbol_file: {symbol_file!r} does not describe a valid graph: "
+                             f"{type(e).__name__}: {e}") from None
 
     def forward(self, *xs):
         doc = self._doc
@@ -274,9 +386,10 @@ class SymbolBlock(_get_block_base()):
             if n["kind"] == "input":
                 x = xs[in_nodes[nid]]
                 want = tuple(n["specs"][0][0])
-                if tuple(x.shape) != want:
+                if tuple(x.shape) != want or x.dtype != np.dtype(n["specs"][0][1]):
                     raise ValueError(f"SymbolBlock: input {doc['inputs'][in_nodes[nid]]['name']!r} "
-                                     f"must have the exported shape {want}, got {tuple(x.shape)}")
+                                     f"must have the exported shape {want} and dtype "
+                                     f"{n['specs'][0][1]}, got {tuple(x.shape)} {x.dtype}")
                 vals[(nid, 0)] = x
             elif n["kind"] == "param":
                 vals[(nid, 0)] = self._pnodes[nid].data(dev)
@@ -288,7 +401,17 @@ class SymbolBlock(_get_block_base()):
                 attrs = {k: _dec(v) for k, v in n["attrs"].items()}
                 res = apply(_op(n["op"]), *ins, **attrs)
                 res = res if isinstance(res, tuple) else (res,)
-                for j, r in enumerate(res):
+                if len(res) != len(n["specs"]):
+                    raise ValueError(f"symbol_file: node {nid} ({n['op']}) declares "
+                                     f"{len(n['specs'])} output(s), the op gives {len(res)}")
+                for j, (r, (shp, dt)) in enumerate(zip(res, n["specs"])):
+                    if tuple(r.shape) != tuple(shp) or r.dtype != np.dtype(dt):
+                        raise ValueError(f"symbol_file: node {nid} ({n['op']}) output {j} is "
+                                         f"declared {dt} {list(shp)} but is {r.dtype} "
+                                         f"{list(r.shape)}")
                     vals[(nid, j)] = r
-        outs = [vals[(i, j)] for i, j in doc["outputs"]]
+        kinds = {n["id"]: n["kind"] for n in doc["nodes"]}
+        # an output that is an input, a parameter or a constant is handed out as a copy (as a
+        # hybridized block's outputs are): never this block's own storage or the caller's array
+        outs = [_copy(vals[(i, j)]) if kinds[i] != "op" else vals[(i, j)] for i, j in doc["outputs"]]
         return outs[0] if doc.get("single_output", len(outs) == 1) else tuple(outs)

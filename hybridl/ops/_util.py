@@ -19,9 +19,11 @@ def as_dtype(dtype, arg="dtype"):
     """
     try:
         d = np.dtype(dtype)
-    except TypeError:
+    except (TypeError, ValueError):
         d = None
-    if d not in SUPPORTED_DTYPES:
+    # (``d is None`` first: NumPy compares None equal to float64, so a misspelled name
+    # would otherwise pass the membership test)
+    if d is None or d not in SUPPORTED_DTYPES:
         raise TypeError(f"{arg}: expected one of float32, float64, int32, int64, bool, "
                         f"got {dtype!r}")
     return d
