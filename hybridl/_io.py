@@ -2,44 +2,62 @@
 
 Every file hybridl writes (parameters, trainer states, exported graphs, traces) is written to a
 temporary file in the same directory and renamed into place (``os.replace`` is atomic on POSIX),
-with the permissions a plain ``open()`` would give under the current umask.
+with the permissions a plain ``open()`` would give under the current umask. Temporary names are
+unique (``tempfile.mkstemp``), so two threads or processes saving to the same path never write
+into one temporary file; the last rename wins, and each file under the name is whole.
 """
 import os
+import tempfile
 
 __all__ = ["atomic_write", "atomic_write_all"]
 
 
-def _tmp_name(path):
+def _check_target(path):
+    """The target's directory must exist and the target must not be a directory (checked for
+    every file before anything is written)."""
+    if not path or os.path.basename(path) == "":
+        raise ValueError(f"path: expected a file name, got {path!r}")
     d = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(d):
         raise FileNotFoundError(f"path: directory {d!r} does not exist")
-    return os.path.join(d, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"path: {path!r} is a directory, expected a file name")
+    return d
 
 
 def atomic_write_all(items):
     """Write several files: ``items`` is a list of ``(path, write)`` where ``write(tmp_path)``
     writes the content. All are complete before any is renamed into place; on an error no
-    temporary file is left behind and the existing files are untouched.
+    temporary file is left behind and, unless a rename itself fails (the targets are checked
+    first: directory exists, target not a directory), the existing files are untouched.
 
     Raises:
-        FileNotFoundError: a target directory does not exist; whatever ``write`` raises.
+        ValueError: an empty path or one ending in a separator.
+        FileNotFoundError: a target directory does not exist.
+        IsADirectoryError: a target is a directory.
+        Whatever ``write`` raises.
     """
-    tmps = [(path, _tmp_name(path), write) for path, write in items]
+    items = [(os.fspath(path), write) for path, write in items]
+    dirs = [_check_target(path) for path, _ in items]
+    tmps = []
     try:
-        for _, tmp, write in tmps:
+        for (path, write), d in zip(items, dirs):
+            fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=d)
+            os.close(fd)
+            tmps.append((path, tmp))
             write(tmp)
         umask = os.umask(0)
         os.umask(umask)
-        for path, tmp, _ in tmps:
+        for path, tmp in tmps:
             os.chmod(tmp, 0o666 & ~umask)
-        for path, tmp, _ in tmps:
+        for path, tmp in tmps:
             os.replace(tmp, path)
     finally:
-        for _, tmp, _ in tmps:
+        for _, tmp in tmps:
             if os.path.exists(tmp):
                 os.remove(tmp)
 
 
 def atomic_write(path, write):
     """Write one file through ``write(tmp_path)`` then rename it to ``path`` (see above)."""
-    atomic_write_all([(os.fspath(path), write)])
+    atomic_write_all([(path, write)])

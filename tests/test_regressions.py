@@ -1,4 +1,5 @@
 """Regression tests for faults found by adversarial testing (each asserts the fixed value)."""
+import os
 import threading
 import warnings
 
@@ -343,3 +344,70 @@ def test_misspelled_dtype_names_are_refused(bad):
         hl.nn.Parameter("w", (2,), bad)
     with pytest.raises(TypeError, match=f"got '{bad}'"):
         hl.sym.var("x", (2,), bad)
+
+
+def test_load_parameters_checks_dtypes_and_casts_only_when_asked(tmp_path):
+    from safetensors.numpy import save_file
+    net = nn.Dense(2, in_units=3)
+    net.initialize()
+    path = str(tmp_path / "p.safetensors")
+    w = np.arange(6, dtype=np.float64).reshape(2, 3) / 4
+    save_file({"weight": w, "bias": np.array([1e39, 0.0])}, path)
+    with pytest.raises(ValueError, match="is float32 in the network but float64"):
+        net.load_parameters(path)
+    with pytest.raises(ValueError, match="'bias'.*values that float32 cannot hold"):
+        net.load_parameters(path, cast_dtype=True)
+    save_file({"weight": w, "bias": np.array([0.5, -2.0])}, path)
+    net.load_parameters(path, cast_dtype=True)
+    np.testing.assert_array_equal(net.weight.data().asnumpy(), w.astype(np.float32))
+    np.testing.assert_array_equal(net.bias.data().asnumpy(), [0.5, -2.0])
+    ip = nn.Parameter("n", (2,), "int32", grad_req="null")
+    ip.initialize(init="zeros")
+
+    class Holder(nn.Block):
+        def __init__(self):
+            super().__init__()
+            self.n = ip
+    h = Holder()
+    save_file({"n": np.array([1.5, 2.0])}, path)
+    with pytest.raises(ValueError, match="int32 cannot hold"):
+        h.load_parameters(path, cast_dtype=True)
+    save_file({"n": np.array([3.0, -2.0])}, path)
+    h.load_parameters(path, cast_dtype=True)
+    np.testing.assert_array_equal(ip.data().asnumpy(), [3, -2])
+
+
+def test_saves_to_one_path_from_threads_never_collide(tmp_path):
+    net = nn.Dense(512, in_units=512)
+    net.initialize()
+    path = str(tmp_path / "ckpt.safetensors")
+    errors = []
+
+    def work():
+        try:
+            for _ in range(20):
+                net.save_parameters(path)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+    ts = [threading.Thread(target=work) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert errors == []
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.safetensors"]
+    net2 = nn.Dense(512, in_units=512)
+    net2.initialize()
+    net2.load_parameters(path)
+    np.testing.assert_array_equal(net2.weight.data().asnumpy(), net.weight.data().asnumpy())
+
+
+def test_export_checks_every_target_before_writing_any(tmp_path):
+    net = nn.Dense(2, in_units=3)
+    net.initialize()
+    (tmp_path / "q-symbol.json").mkdir()          # the second target is a directory
+    with pytest.raises(IsADirectoryError, match="q-symbol.json"):
+        net.export(str(tmp_path / "q"), nd.ones((1, 3)))
+    assert sorted(os.listdir(tmp_path)) == ["q-symbol.json"]      # no q.safetensors written
+    with pytest.raises(ValueError, match="expected a file name"):
+        net.save_parameters("")

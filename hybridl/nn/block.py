@@ -19,6 +19,24 @@ __all__ = ["Block", "HybridBlock", "Sequential", "HybridSequential"]
 from ..graph.trace import STRUCTURE_VERSION  # noqa: E402  (bumped when a child is added)
 
 
+def _cast_keeping_values(val, dtype, name, path):
+    """``val.astype(dtype)`` for load_parameters(cast_dtype=True); ValueError when that changes
+    a value beyond float rounding (overflow to inf, a fraction or an out-of-range number into
+    an integer type, a complex number)."""
+    if val.dtype.kind == "c":
+        raise ValueError(f"load_parameters: parameter {name!r} is complex in {path!r}")
+    with np.errstate(all="ignore"):
+        out = val.astype(dtype)
+        if dtype.kind == "f":
+            ok = np.isfinite(out) | ~np.isfinite(val)
+        else:
+            ok = out.astype(val.dtype) == val
+    if not ok.all():
+        raise ValueError(f"load_parameters: parameter {name!r} ({val.dtype} in {path!r}) has "
+                         f"values that {dtype} cannot hold")
+    return out
+
+
 class Block:
     """Base class of layers and models.
 
@@ -119,13 +137,19 @@ class Block:
                    for name, p in self.collect_params().items()}
         _atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "hybridl"}))
 
-    def load_parameters(self, path, device=None, allow_missing=False, ignore_extra=False):
+    def load_parameters(self, path, device=None, allow_missing=False, ignore_extra=False,
+                        cast_dtype=False):
         """Load values saved by :meth:`save_parameters`.
+
+        ``cast_dtype=True`` converts a tensor of another dtype to the parameter's (as MXNet's
+        option of that name), refusing conversions that do not keep the values (float overflow
+        to inf, fractions or out-of-range numbers into integers); by default a dtype that
+        differs is an error.
 
         Raises:
             FileNotFoundError: no such file.
             ValueError: the file is not a valid safetensors file, names are missing or extra
-                (unless allowed), or a shape differs — the message lists the names.
+                (unless allowed), or a shape or dtype differs — the message names them.
         """
         from safetensors import SafetensorError
         from safetensors.numpy import load_file
@@ -154,6 +178,12 @@ class Block:
                                     any(a and a != b for a, b in zip(shp, val.shape))):
                 raise ValueError(f"load_parameters: parameter {name!r} has shape {p.shape} in the "
                                  f"network but {tuple(val.shape)} in {path!r}")
+            if val.dtype != p.dtype:
+                if not cast_dtype:
+                    raise ValueError(f"load_parameters: parameter {name!r} is {p.dtype} in the "
+                                     f"network but {val.dtype} in {path!r} (pass cast_dtype=True "
+                                     f"to convert)")
+                loaded[name] = _cast_keeping_values(val, p.dtype, name, path)
         for name, p in params.items():
             if name not in loaded:
                 continue
@@ -161,7 +191,7 @@ class Block:
                 dev = device if device is not None else (p._deferred[1] if p._deferred else None)
                 p._shape = tuple(loaded[name].shape)
                 p.initialize(init="zeros", device=dev)
-            p.set_data(loaded[name].astype(p.dtype, copy=False))
+            p.set_data(loaded[name])
 
     # ------------------------------------------------------------------ calling
     def __call__(self, *args, **kwargs):
