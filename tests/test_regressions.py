@@ -411,3 +411,100 @@ def test_export_checks_every_target_before_writing_any(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["q-symbol.json"]      # no q.safetensors written
     with pytest.raises(ValueError, match="expected a file name"):
         net.save_parameters("")
+
+
+class _TwiceBN(nn.HybridBlock):
+    """One BatchNorm applied twice: its second call reads the statistics its first wrote."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm(momentum=0.5, in_channels=3, dtype="float64")
+        self.d = nn.Dense(2, in_units=3, dtype="float64")
+
+    def forward(self, x):
+        return self.d(self.bn(self.bn(x) * 2.0 + 3.0))
+
+
+def test_a_parameter_written_then_read_in_one_hybridized_call_reads_the_write():
+    x = nd.array(np.random.default_rng(0).standard_normal((6, 3)))
+    y = nd.array(np.array([0, 1, 0, 1, 1, 0]))
+    res = []
+    for mode in ("eager", "hybridized", "TrainStep"):
+        hl.random.seed(0)
+        net = _TwiceBN()
+        net.initialize()
+        net.bn.gamma.grad_req = net.bn.beta.grad_req = "null"    # gamma 1, beta 0: by hand below
+        tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+        lf = hl.loss.SoftmaxCrossEntropyLoss()
+        if mode == "TrainStep":
+            step = hl.TrainStep(net, lf, tr)
+            for _ in range(2):
+                step(x, y)
+        else:
+            net.hybridize(mode == "hybridized")
+            for _ in range(2):
+                with ag.record():
+                    loss = lf(net(x), y)
+                loss.backward()
+                tr.step(6)
+        res.append((net.bn.running_mean.data().asnumpy(), net.bn.running_var.data().asnumpy(),
+                    net.d.weight.data().asnumpy()))
+    # eager reference by hand for the statistics: two updates per call, momentum 0.5
+    xn = x.asnumpy()
+    rm, rv = np.zeros(3), np.ones(3)
+    for _ in range(2):
+        m1, v1 = xn.mean(0), xn.var(0)
+        rm, rv = 0.5 * rm + 0.5 * m1, 0.5 * rv + 0.5 * v1 * 6 / 5
+        h = (xn - m1) / np.sqrt(v1 + 1e-5) * 2 + 3
+        m2, v2 = h.mean(0), h.var(0)
+        rm, rv = 0.5 * rm + 0.5 * m2, 0.5 * rv + 0.5 * v2 * 6 / 5
+    np.testing.assert_allclose(res[0][0], rm, rtol=1e-12)
+    np.testing.assert_allclose(res[0][1], rv, rtol=1e-12)
+    for r in res[1:]:
+        for a, b in zip(r, res[0]):
+            np.testing.assert_allclose(a, b, rtol=1e-10)
+
+
+def test_assigning_to_a_traced_value_that_is_no_parameter_still_raises():
+    @hl.jit
+    def f(x):
+        (x * 2)._assign(x)
+        return x
+    with pytest.raises(hl.TracingError, match="not a parameter"):
+        f(nd.ones((2,)))
+
+
+class _Scale(nn.HybridBlock):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Dense(1, in_units=1, use_bias=False)
+        self.extra = nn.Dense(1, in_units=1, use_bias=False)
+
+    def forward(self, x):
+        y = self.a(x)
+        return y if self.extra is None else self.extra(y)
+
+
+@pytest.mark.parametrize("edit", ["replace_param", "child_none", "del_child"])
+def test_editing_a_block_after_a_hybridized_call_retraces(edit):
+    x = nd.ones((1, 1))
+    outs = []
+    for hyb in (False, True):
+        m = _Scale()
+        m.initialize(init=hl.init.Constant(2.0))
+        m.hybridize(hyb)
+        assert m(x).item() == 4.0
+        if edit == "replace_param":
+            p = nn.Parameter("weight", (1, 1), init=hl.init.Constant(5.0))
+            p.initialize()
+            m.a.weight = p
+        elif edit == "child_none":
+            m.extra = None
+        else:
+            del m.extra
+            object.__setattr__(m, "extra", None)
+        outs.append((m(x).item(), sorted(m.collect_params())))
+    want = {"replace_param": 10.0, "child_none": 2.0, "del_child": 2.0}[edit]
+    assert outs[0][0] == want and outs[1] == outs[0]
+    if edit != "replace_param":
+        assert outs[0][1] == ["a.weight"]

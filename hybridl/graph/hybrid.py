@@ -38,10 +38,18 @@ class CacheInfo(dict):
 class _TraceCtx:
     def __init__(self):
         self.params = []          # Parameters in first-use order
-        self.syms = {}            # id(param) -> Symbol
-        self.side_effects = []    # (Parameter, Symbol)
+        self.syms = {}            # id(param) -> Symbol (the program input)
+        self.side_effects = []    # (Parameter, Symbol), in program order
+        self.current = {}         # id(param) -> Symbol of its last write in this program
+        self.owner = {}           # key of a written Symbol -> its Parameter
 
     def param_value(self, param):
+        """The parameter's value at this point of the program: its last write in the traced
+        code (a BatchNorm called twice reads the statistics its first call wrote, as eager
+        code does), else the program input that holds it."""
+        w = self.current.get(id(param))
+        if w is not None:
+            return w
         s = self.syms.get(id(param))
         if s is None:
             param._check_init()
@@ -84,12 +92,20 @@ def trace_graph(fn, args, static=None):
     return syms + [ctx.syms[id(p)] for p in ctx.params], outs, single, ctx
 
 
+def _last_writes(ctx):
+    """(parameters written by the traced code, the value each holds at the end): the program
+    outputs assigned back after a call (one per parameter, its last write)."""
+    last = {}
+    for p, v in ctx.side_effects:
+        last[id(p)] = (p, v)
+    return [p for p, _ in last.values()], [v for _, v in last.values()]
+
+
 def _build(fn, args, name, passes, want_grad_data, static=None, parallel_segments=False):
     inputs, outs, single, ctx = trace_graph(fn, args, static)
     params = ctx.params
     n_data = len(args)
-    side_params = [p for p, _ in ctx.side_effects]
-    side_vals = [s for _, s in ctx.side_effects]
+    side_params, side_vals = _last_writes(ctx)
     wrt = []
     if autograd.is_recording():
         wrt = [i for i in range(n_data) if want_grad_data[i] and inputs[i].dtype.kind == "f"]

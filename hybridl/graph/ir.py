@@ -136,13 +136,18 @@ class Symbol:
         of the program, e.g. BatchNorm running statistics)."""
         from . import trace as _trace
         ctx = _trace.current_context()
-        if ctx is None or self.node.kind != "param":
+        param = None
+        if ctx is not None:
+            param = self.node.param if self.node.kind == "param" else ctx.owner.get(self.key())
+        if param is None:
             raise TracingError(f"assignment to a traced value that is not a parameter, at {_user_site()}")
         if not isinstance(src, Symbol):
             src = const(np.asarray(src, self.dtype))
         if src.shape != self.shape:
             raise ValueError(f"assign: value of shape {src.shape} does not match {self.shape}")
-        ctx.side_effects.append((self.node.param, src))
+        ctx.side_effects.append((param, src))
+        ctx.current[id(param)] = src            # later reads in this program see the write
+        ctx.owner[src.key()] = param
 
     def astype(self, dtype, copy=True):
         return M.cast(self, dtype)

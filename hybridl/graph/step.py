@@ -43,7 +43,7 @@ from ..ops.math import _dot2
 from ..ops.registry import Op
 from . import trace as _trace
 from .autodiff import gradient
-from .hybrid import _Cache, _param_arrays, trace_graph
+from .hybrid import _Cache, _last_writes, _param_arrays, trace_graph
 from .ir import Graph, Node, Symbol, TracingError, const
 from .passes import DEFAULT_PASSES, PASSES, _VIEW_OPS, run_passes
 from .program import Program, _graph_cost
@@ -441,8 +441,7 @@ class TrainStep:
         if unused:
             warnings.warn(f"TrainStep: trainer parameters {unused} are not used by the forward "
                           f"and are never updated", RuntimeWarning, stacklevel=4)
-        side_params = [p for p, _ in ctx.side_effects]
-        side_vals = [s for _, s in ctx.side_effects]
+        side_params, side_vals = _last_writes(ctx)
         joint, cots, wrt = gradient(Graph(inputs, [loss]), wrt)
         # the head gradient of loss.backward() is ones: a constant the passes can fold
         ones = const(np.ones(loss.shape, loss.dtype))

@@ -55,17 +55,31 @@ class Block:
         if isinstance(value, Block):
             self._children[name] = value
             self._reg_params.pop(name, None)
-            STRUCTURE_VERSION[0] += 1
-            self._on_child_change()
+            self._structure_changed()
         elif isinstance(value, Parameter):
             self._reg_params[name] = value
             self._children.pop(name, None)
+            self._structure_changed()     # compiled programs read the old Parameter object
+        elif name in self._children or name in self._reg_params:
+            # a child or parameter replaced by something else (None, a number): it is no
+            # longer part of the block (collect_params, save_parameters, compiled programs)
+            self._children.pop(name, None)
+            self._reg_params.pop(name, None)
+            self._structure_changed()
         object.__setattr__(self, name, value)
 
     def __delattr__(self, name):
-        self._children.pop(name, None)
-        self._reg_params.pop(name, None)
+        if name in self._children or name in self._reg_params:
+            self._children.pop(name, None)
+            self._reg_params.pop(name, None)
+            self._structure_changed()
         object.__delattr__(self, name)
+
+    def _structure_changed(self):
+        """Children or parameters changed: every cached hybridized program is stale (programs
+        of enclosing blocks too, hence one global version)."""
+        STRUCTURE_VERSION[0] += 1
+        self._on_child_change()
 
     def _on_child_change(self):
         pass
