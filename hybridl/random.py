@@ -38,8 +38,22 @@ def seed(n):
     _engine.push(reseed, [], [_state.var], cpu(0), name="seed")
 
 
+def _not_traced(name):
+    """Random draws inside traced code would be drawn once, at tracing, and frozen into the
+    program as a constant (every call would reuse the same numbers): refused instead."""
+    from .graph import trace as _trace
+    if _trace.current_context() is not None:
+        from .graph.ir import TracingError, _user_site
+        raise TracingError(
+            f"hl.random.{name} inside a hybridized forward / hl.jit function, at {_user_site()}: "
+            f"its numbers would be drawn once when tracing and then reused by every call. Draw "
+            f"them outside and pass them in as an input, use hl.nd.dropout (a random op of the "
+            f"program), or run the block imperatively (hybridize(False))")
+
+
 def _random_op(name, shape, dtype, device, draw):
     from .ndarray import NDArray, _check_shape
+    _not_traced(name)
     shape = _check_shape(shape)
     dev = current_device() if device is None else Device.parse(device)
     out = NDArray(shape, dtype, dev)
@@ -101,6 +115,7 @@ def shuffle(x):
         ValueError: ``x`` is 0-d.
     """
     from .ndarray import NDArray
+    _not_traced("shuffle")
     if not x.shape:
         raise ValueError("shuffle: x must have at least one dimension")
     out = NDArray(x.shape, x.dtype, x.device)

@@ -508,3 +508,29 @@ def test_editing_a_block_after_a_hybridized_call_retraces(edit):
     assert outs[0][0] == want and outs[1] == outs[0]
     if edit != "replace_param":
         assert outs[0][1] == ["a.weight"]
+
+
+def test_random_draws_inside_traced_code_are_refused_not_frozen():
+    class Noisy(nn.HybridBlock):
+        def forward(self, x):
+            return x + hl.random.normal(0, 1, x.shape)
+    net = Noisy()
+    x = nd.zeros((3,))
+    a, b = net(x).asnumpy(), net(x).asnumpy()
+    assert not np.array_equal(a, b)                 # eager: fresh numbers each call
+    net.hybridize()
+    with pytest.raises(hl.TracingError, match=r"hl\.random\.normal .*test_regressions\.py"):
+        net(x)
+
+    @hl.jit
+    def f(x):
+        return x * hl.random.uniform(shape=x.shape)
+    with pytest.raises(hl.TracingError, match="hl.random.uniform"):
+        f(x)
+    # deferred initialization finished inside a traced call still draws its initial values
+    d = nn.Dense(3)
+    d.initialize(init=hl.init.Normal(1.0))
+    d.hybridize()
+    hl.random.seed(7)
+    y = d(nd.ones((2, 4)))
+    assert y.shape == (2, 3) and d.weight.data().asnumpy().std() > 0.1

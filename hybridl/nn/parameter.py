@@ -96,7 +96,11 @@ class Parameter:
         self._init_now(chosen, devices)
 
     def _init_now(self, init, devices):
-        first = init(self._shape, self.dtype, devices[0])
+        from ..graph import trace as _trace
+        # initial values are drawn eagerly, once, even when a traced forward finishes a
+        # deferred initialization: they are the parameter's values, not part of the program
+        with _trace.tracing(None):
+            first = init(self._shape, self.dtype, devices[0])
         self._data = OrderedDict()
         for d in devices:
             arr = first if d == devices[0] else first.copyto(d)
