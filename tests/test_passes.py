@@ -382,7 +382,7 @@ def test_dce_removes_dead_nodes():
 
 def test_simplify_removes_identities():
     x = hl.sym.var("x", shape=(2, 3))
-    outs = [x * 1, 1 * x, x / 1, x + 0, 0 + x, x - 0, -(-x), nd.transpose(nd.transpose(x)),
+    outs = [x * 1, 1 * x, x / 1, x + (-0.0), (-0.0) + x, x - 0, -(-x), nd.transpose(nd.transpose(x)),
             nd.reshape(nd.reshape(x, (6,)), (2, 3)), nd.reshape(x, (2, 3)), nd.identity(x),
             nd.broadcast_to(x, (2, 3))]
     g = _g([o * 2.0 for o in outs], [x])
@@ -404,6 +404,22 @@ def test_simplify_removes_identities():
     np.testing.assert_array_equal(prog(tv).asnumpy(), tv.transpose(1, 2, 0).transpose(1, 2, 0))
     prog = hl.compile(r, passes=["simplify_algebra"], inputs=[x])
     np.testing.assert_array_equal(prog(xv).asnumpy(), xv.reshape(1, 6))
+
+
+def test_simplify_keeps_the_sign_of_zero():
+    # IEEE 754: -0.0 + 0.0 == +0.0 and -0.0 - (-0.0) == +0.0, so x + 0.0 and x - (-0.0) are
+    # not x for float x (they are for integers); x + (-0.0) and x - 0.0 are
+    x = hl.sym.var("x", shape=(4,))
+    kept = [x + 0.0, 0.0 + x, x - (-0.0)]
+    h = P.eliminate_dead_code(P.simplify_algebra(_g(kept, [x])))
+    assert h.count("add") + h.count("subtract") == 3
+    xv = np.array([-0.0, 0.0, -1.5, np.inf], np.float32)
+    for o, want in zip(kept, (xv + 0.0, 0.0 + xv, xv - (-0.0))):
+        got = hl.compile(o, inputs=[x])(xv).asnumpy()
+        np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+    i = hl.sym.var("i", shape=(3,), dtype="int32")
+    h = P.eliminate_dead_code(P.simplify_algebra(_g([(i + 0) * 2, (0 + i) * 2], [i])))
+    assert h.count("add") == 0
 
 
 @pytest.mark.parametrize("red", ["sum", "mean", "max", "min"])

@@ -94,26 +94,50 @@ def _all_equal(s, value):
     return _is_const(s) and s.node.value.size > 0 and bool(np.all(s.node.value == value))
 
 
+def _zero_identity(s, dtype, negative):
+    """``s`` is a constant zero that adding (``negative``: -0.0) or subtracting (+0.0) leaves
+    every value unchanged in ``dtype``. IEEE 754 signed zeros: ``-0.0 + 0.0`` is ``+0.0``, so
+    only ``x + (-0.0)`` and ``x - (+0.0)`` are x for every float x (the rule C compilers follow
+    without -fno-signed-zeros); for integers any zero is."""
+    if not _all_equal(s, 0):
+        return False
+    if dtype.kind != "f":
+        return True
+    sign = np.signbit(s.node.value)
+    return bool(np.all(sign)) if negative else not bool(np.any(sign))
+
+
 def simplify_algebra(graph):
-    """Algebraic identities that keep shape and dtype: x*1, 1*x, x/1, x+0, 0+x, x-0, -(-x),
-    transpose(transpose(x)), reshape(reshape(x)), reshape/broadcast/identity to the same shape;
-    and a sum/mean/max/min over axes that keep a concat's axis is taken part by part
-    (``_reduce_parts``)."""
+    """Algebraic identities that keep shape, dtype and every value (NaN, inf and the sign of
+    zero included): x*1, 1*x, x/1, x-0, x+(-0) and (-0)+x (x+0 only for integers: in floating
+    point ``-0.0 + 0.0`` is ``+0.0``), -(-x), transpose(transpose(x)), reshape(reshape(x)),
+    reshape/broadcast/identity to the same shape; and a sum/mean/max/min over axes that keep a
+    concat's axis is taken part by part (``_reduce_parts``)."""
     def same(a, node):
         return tuple(a.shape) == node.specs[0][0] and a.dtype == node.specs[0][1]
 
     def rw(node, ins):
         name = node.op.name
-        if name in ("multiply", "add"):
-            unit = 1 if name == "multiply" else 0
+        dt = node.specs[0][1] if node.specs else None
+        if name == "multiply":
             a, b = ins
-            if _all_equal(b, unit) and same(a, node):
+            if _all_equal(b, 1) and same(a, node):
                 return [a]
-            if _all_equal(a, unit) and same(b, node):
+            if _all_equal(a, 1) and same(b, node):
                 return [b]
-        elif name in ("divide", "subtract"):
+        elif name == "add":
             a, b = ins
-            if _all_equal(b, 1 if name == "divide" else 0) and same(a, node):
+            if _zero_identity(b, dt, True) and same(a, node):
+                return [a]
+            if _zero_identity(a, dt, True) and same(b, node):
+                return [b]
+        elif name == "divide":
+            a, b = ins
+            if _all_equal(b, 1) and same(a, node):
+                return [a]
+        elif name == "subtract":
+            a, b = ins
+            if _zero_identity(b, dt, False) and same(a, node):
                 return [a]
         elif name == "negative":
             src = ins[0]
