@@ -534,3 +534,58 @@ def test_random_draws_inside_traced_code_are_refused_not_frozen():
     hl.random.seed(7)
     y = d(nd.ones((2, 4)))
     assert y.shape == (2, 3) and d.weight.data().asnumpy().std() > 0.1
+
+
+def test_layer_arguments_are_checked_where_the_layer_is_made():
+    for make, msg in ((lambda: nn.Activation(None), "Activation: activation"),
+                      (lambda: nn.BatchNorm(momentum=1.5), "momentum must be a number in"),
+                      (lambda: nn.BatchNorm(epsilon=-1), "epsilon must be a number > 0"),
+                      (lambda: nn.LayerNorm(epsilon=0), "epsilon must be a number > 0"),
+                      (lambda: nn.Dropout("0.5"), "rate must be a number"),
+                      (lambda: nn.Conv2D(4, 3, groups=2, in_channels=3), "in_channels=3 must be divisible")):
+        with pytest.raises(ValueError, match=msg):
+            make()
+    bn = nn.BatchNorm(axis=5)
+    bn.initialize()
+    with pytest.raises(ValueError, match="axis=5 is not a channel axis"):
+        bn(nd.ones((2, 3)))
+    ln = nn.LayerNorm()
+    ln.initialize()
+    with pytest.raises(ValueError, match="0-d array"):
+        ln(nd.ones(()))
+    d = nn.Dense(2)
+    d.initialize()
+    with pytest.raises(ValueError, match=r"at least 2 dimensions, got shape \(3,\)"):
+        d(nd.ones((3,)))
+    assert d(nd.ones((4, 3))).shape == (4, 2)        # the failed call left no wrong shape behind
+
+
+def test_hybridized_call_with_keywords_warns_that_it_runs_imperatively():
+    class Scaled(nn.HybridBlock):
+        def forward(self, x, scale=None):
+            return x * 2 if scale is None else x * scale
+    m = Scaled()
+    m.hybridize()
+    x = nd.ones((2,))
+    with pytest.warns(RuntimeWarning, match=r"keyword arguments \['scale'\].*imperatively"):
+        assert m(x, scale=nd.full((2,), 3.0)).asnumpy().tolist() == [3.0, 3.0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")              # once per block
+        m(x, scale=nd.full((2,), 3.0))
+    assert m(x).asnumpy().tolist() == [2.0, 2.0] and m.cache_info().misses == 1
+
+
+def test_jit_static_arguments_keyed_by_type_and_clear_errors():
+    @hl.jit(static_argnames=("n",))
+    def f(x, n=1):
+        return x * n
+    x = nd.array(np.array([3], np.int64))
+    assert f(x, n=2).dtype == np.int64
+    assert f(x, n=2.5).dtype == np.float32
+    assert f(x, n=2.0).dtype == np.float32           # 2.0 == 2 in Python: its own program
+    assert f(x, n=True).asnumpy().tolist() == [3]
+    assert f.cache_info().programs == 4
+    with pytest.raises(TypeError, match="argument 1 must be an NDArray, got int; static arguments"):
+        f(x, 3)
+    with pytest.raises(TypeError, match=r"static argument\(s\) \['n'\] must be hashable"):
+        f(x, n=[1, 2])

@@ -311,7 +311,23 @@ class _JitFunction:
         if kwargs:
             raise TypeError(f"{self._fn.__name__}: keyword arguments {sorted(kwargs)} are not "
                             f"static_argnames {self._static}; pass arrays positionally")
-        sig = (_signature(args), tuple(sorted(static.items())))
+        for i, a in enumerate(args):
+            if not isinstance(a, NDArray):
+                hint = (f"; static arguments {list(self._static)} must be passed by keyword"
+                        if self._static else "; Python values that select the program go in "
+                        "static_argnames and are passed by keyword")
+                raise TypeError(f"{self._fn.__name__}: positional argument {i} must be an "
+                                f"NDArray, got {type(a).__name__}{hint}")
+        # the value's type is part of the key: 2, 2.0 and True are equal (and hash alike) in
+        # Python but may trace different programs (integer vs float arithmetic)
+        items = tuple(sorted((k, type(v).__name__, v) for k, v in static.items()))
+        try:
+            hash(items)
+        except TypeError:
+            bad = [k for k, v in static.items() if not _hashable(v)]
+            raise TypeError(f"{self._fn.__name__}: static argument(s) {bad} must be hashable "
+                            f"(a number, string, tuple, ...): one program is kept per value") from None
+        sig = (_signature(args), items)
         entry = self._cache.entries.get(sig)
         if entry is None:
             known = list(self._cache.entries)
@@ -340,6 +356,14 @@ class _JitFunction:
             return None
         entry.fwd.backward = entry.bwd
         return entry.fwd
+
+
+def _hashable(v):
+    try:
+        hash(v)
+    except TypeError:
+        return False
+    return True
 
 
 def jit(fn=None, *, static_argnames=None, passes=None):

@@ -8,6 +8,7 @@ must be traceable (no Python branching on array values); ``hybridize()`` compile
 """
 import os
 import re
+import warnings
 from collections import OrderedDict
 
 import numpy as np
@@ -281,13 +282,22 @@ class HybridBlock(Block):
             c.hybridize(False)
 
     def __call__(self, *args, **kwargs):
-        if self._active and not kwargs:
-            g = _GRAPH
-            if not g:                          # imported on first use (graph imports nn)
-                from ..graph import hybrid, trace
-                g[:] = [hybrid.call_cached, trace._tls]
-            if g[1].__dict__.get("ctx") is None:   # inside another trace: inline it
-                return g[0](self, args)
+        if self._active:
+            if not kwargs:
+                g = _GRAPH
+                if not g:                          # imported on first use (graph imports nn)
+                    from ..graph import hybrid, trace
+                    g[:] = [hybrid.call_cached, trace._tls]
+                if g[1].__dict__.get("ctx") is None:   # inside another trace: inline it
+                    return g[0](self, args)
+            elif not self.__dict__.get("_warned_kwargs"):
+                from ..graph import trace
+                if not trace.is_tracing():
+                    object.__setattr__(self, "_warned_kwargs", True)
+                    warnings.warn(f"{type(self).__name__} is hybridized but was called with "
+                                  f"keyword arguments {sorted(kwargs)}: such calls run "
+                                  f"imperatively (not compiled); pass arrays positionally",
+                                  RuntimeWarning, stacklevel=2)
         return self.forward(*args, **kwargs)
 
     def export(self, prefix, *example_inputs):

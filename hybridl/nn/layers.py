@@ -59,6 +59,9 @@ class Dense(HybridBlock):
 
     def forward(self, x):
         if not (self._known or self._check_known()):
+            if len(x.shape) < 2:
+                raise ValueError(f"Dense: expected input of shape (N, ...) with at least 2 "
+                                 f"dimensions, got shape {tuple(x.shape)}")
             in_units = 1
             for s in (x.shape[1:] if self._flatten else x.shape[-1:]):
                 in_units *= s
@@ -102,6 +105,10 @@ class Conv2D(HybridBlock):
         self._dilation, self._groups = dilation, _pos_int(groups, "groups", "Conv2D")
         if channels % groups:
             raise ValueError(f"Conv2D: channels={channels} must be divisible by groups={groups}")
+        _pos_int(in_channels, "in_channels", "Conv2D", allow0=True)
+        if in_channels % groups:
+            raise ValueError(f"Conv2D: in_channels={in_channels} must be divisible by "
+                             f"groups={groups}")
         self._act_name, self._act = activation, _act(activation)
         self.weight = Parameter("weight", (channels, in_channels // groups if in_channels else 0) + ks,
                                 dtype, weight_initializer)
@@ -166,6 +173,8 @@ class Activation(HybridBlock):
 
     def __init__(self, activation):
         super().__init__()
+        if activation is None:
+            raise ValueError(f"Activation: activation must be one of {sorted(_ACTS)}, got None")
         self._name = activation
         self._fn = _act(activation)
 
@@ -185,8 +194,8 @@ class Dropout(HybridBlock):
 
     def __init__(self, rate):
         super().__init__()
-        if not 0.0 <= rate < 1.0:
-            raise ValueError(f"Dropout: rate must be in [0, 1), got {rate}")
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:
+            raise ValueError(f"Dropout: rate must be a number in [0, 1), got {rate!r}")
         self._rate = float(rate)
 
     def forward(self, x):
@@ -207,6 +216,12 @@ class BatchNorm(HybridBlock):
     def __init__(self, axis=1, momentum=0.9, epsilon=1e-5, center=True, scale=True,
                  in_channels=0, dtype="float32"):
         super().__init__()
+        if isinstance(axis, bool) or not isinstance(axis, int):
+            raise ValueError(f"BatchNorm: axis must be an int, got {axis!r}")
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"BatchNorm: momentum must be a number in [0, 1], got {momentum!r}")
+        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon > 0:
+            raise ValueError(f"BatchNorm: epsilon must be a number > 0, got {epsilon!r}")
         self._axis, self._momentum, self._eps = axis, float(momentum), float(epsilon)
         self.gamma = Parameter("gamma", (in_channels,), dtype, "ones",
                                grad_req="write" if scale else "null")
@@ -219,6 +234,9 @@ class BatchNorm(HybridBlock):
         return (self.gamma, self.beta, self.running_mean, self.running_var)
 
     def forward(self, x):
+        if not -len(x.shape) <= self._axis < len(x.shape) or len(x.shape) < 2:
+            raise ValueError(f"BatchNorm: axis={self._axis} is not a channel axis of input "
+                             f"shape {tuple(x.shape)} (at least 2-D)")
         if not self.gamma._shape_known() or not self.running_var._shape_known():
             c = x.shape[self._axis]
             for p in self._params():        # each one: gamma.set_data() may have finished
@@ -237,6 +255,8 @@ class LayerNorm(HybridBlock):
         super().__init__()
         if axis != -1:
             raise ValueError(f"LayerNorm: only axis=-1 is supported, got {axis}")
+        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon > 0:
+            raise ValueError(f"LayerNorm: epsilon must be a number > 0, got {epsilon!r}")
         self._eps = float(epsilon)
         self.gamma = Parameter("gamma", (in_channels,), dtype, "ones",
                                grad_req="write" if scale else "null")
@@ -244,6 +264,9 @@ class LayerNorm(HybridBlock):
                               grad_req="write" if center else "null")
 
     def forward(self, x):
+        if not x.shape:
+            raise ValueError("LayerNorm: expected input with at least 1 dimension (normalized "
+                             "over the last), got a 0-d array")
         if not self.gamma._shape_known() or not self.beta._shape_known():
             for p in (self.gamma, self.beta):
                 if not p._shape_known():
@@ -252,7 +275,10 @@ class LayerNorm(HybridBlock):
 
 
 class Embedding(HybridBlock):
-    """Lookup table: indices (...) int -> (..., output_dim); weight (input_dim, output_dim)."""
+    """Lookup table: indices (...) int -> (..., output_dim); weight (input_dim, output_dim).
+
+    Indices outside [0, input_dim) are clipped into it (MXNet's ``Embedding``; PyTorch raises
+    instead): -1 reads row 0, input_dim reads the last row, and their gradients go there."""
 
     def __init__(self, input_dim, output_dim, dtype="float32", weight_initializer=None):
         super().__init__()
