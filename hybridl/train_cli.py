@@ -424,6 +424,16 @@ def main_export(argv=None):
             print("hybridl export: error: --onnx needs the onnx package: pip install -e \".[onnx]\"",
                   file=sys.stderr)
             return 2
+    from ._io import _check_target
+    try:                    # every output path checked before anything is written
+        if not args.out or args.out.endswith(("/", os.sep)):
+            raise ValueError(f"--out: expected a file prefix such as models/lenet, got {args.out!r}")
+        for path in [args.out + "-symbol.json", args.out + ".safetensors"] + \
+                ([args.onnx] if args.onnx else []):
+            _check_target(path)
+    except (ValueError, OSError) as e:
+        print(f"hybridl export: error: {e}", file=sys.stderr)
+        return 2
     if args.params and os.path.abspath(args.out + ".safetensors") == os.path.abspath(args.params):
         print(f"hybridl export: error: --out {args.out} would write {args.out}.safetensors over "
               f"the --params file it reads; choose another prefix, e.g. --out {args.out}-graph",
@@ -453,7 +463,12 @@ def main_export(argv=None):
             from . import onnx
             onnx.export(net, x, args.onnx)
             print(f"wrote {args.onnx}")
-    except (FileNotFoundError, ValueError, ImportError) as e:
+    except (ValueError, ImportError, OSError) as e:
         print(f"hybridl export: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - a writer's own error (safetensors: /proc, full disk)
+        if type(e).__name__ != "SafetensorError":
+            raise
+        print(f"hybridl export: error: could not write {args.out}.safetensors: {e}", file=sys.stderr)
         return 2
     return 0

@@ -130,6 +130,20 @@ def test_save_then_export(tmp_path):
     assert "Traceback" not in r.stderr and "bad.safetensors" in r.stderr
 
 
+def test_export_checks_every_output_path_before_writing(tmp_path):
+    (tmp_path / "adir").mkdir()
+    for args, msg in ((("--out", str(tmp_path / "m"), "--onnx", str(tmp_path / "adir")), "is a directory"),
+                      (("--out", str(tmp_path / "m"), "--onnx", str(tmp_path / "no" / "m.onnx")),
+                       "does not exist"),
+                      (("--out", ""), "expected a file prefix"),
+                      (("--out", str(tmp_path) + "/"), "expected a file prefix")):
+        r = _hybridl("export", *args)
+        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["adir"]          # nothing written by any of them
+    r = _hybridl("export", "--model", "resnet18", "--out", str(tmp_path / "r18"))
+    assert r.returncode == 0, r.stderr                       # batch 1, 1x1 maps: predict-mode BN
+
+
 BAD_OPTIONS = [
     (("--epochs", "0"), "--epochs"),
     (("--model", "nope"), "--model"),
