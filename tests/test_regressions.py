@@ -589,3 +589,24 @@ def test_jit_static_arguments_keyed_by_type_and_clear_errors():
         f(x, 3)
     with pytest.raises(TypeError, match=r"static argument\(s\) \['n'\] must be hashable"):
         f(x, n=[1, 2])
+
+
+def test_compile_and_program_calls_refuse_what_they_cannot_run_faithfully():
+    x = hl.sym.var("x", shape=(2,), dtype="int32")
+    prog = hl.compile(x * 2)
+    with pytest.raises(ValueError, match="int32 cannot hold"):
+        prog(np.array([2 ** 40 + 5, 1]))             # used to wrap to [10, 2]
+    with pytest.raises(ValueError, match="int32 cannot hold"):
+        prog(np.array([np.nan, 1.0]))
+    np.testing.assert_array_equal(prog(np.array([3, 4])).asnumpy(), [6, 8])   # int64 that fits
+    f = hl.sym.var("f", shape=(1,))
+    with pytest.raises(ValueError, match="float32 cannot hold"):
+        hl.compile(f + 1)(np.array([1e40]))
+    with pytest.raises(ValueError, match="the string 'fold_constants'"):
+        hl.compile(f + 1, passes="fold_constants")
+    with pytest.raises(ValueError, match="pass names or functions"):
+        hl.compile(f + 1, passes=[None])
+    with pytest.raises(ValueError, match="output 1 is int"):
+        hl.compile([f + 1, 3])
+    with pytest.raises(ValueError, match="'f' is listed twice"):
+        hl.compile(f + 1, inputs=[f, f])

@@ -29,10 +29,24 @@ def compile(outputs, passes=None, inputs=None, name="program"):  # noqa: A001 - 
         Program with ``.source``, ``.graph``, ``.memory_plan``; call it with one array per input.
 
     Raises:
-        ValueError: an unknown pass name.
+        ValueError: an unknown pass name, ``passes`` not a list of names/functions, an output
+            that is not a Symbol, an input that is not a ``var`` or is listed twice.
     """
     outs = [outputs] if isinstance(outputs, Symbol) else list(outputs)
+    for i, o in enumerate(outs):
+        if not isinstance(o, Symbol):
+            raise ValueError(f"outputs: expected Symbols built from hl.sym.var inputs; output {i} "
+                             f"is {type(o).__name__}")
     if inputs is None:
         g = Graph([], outs)
         inputs = [n.out() for n in g.nodes if n.kind == "input"]
-    return Program(Graph(list(inputs), outs), passes, name)
+    inputs = [inputs] if isinstance(inputs, Symbol) else list(inputs)
+    seen = set()
+    for i, s in enumerate(inputs):
+        if not isinstance(s, Symbol) or s.node.kind != "input":
+            raise ValueError(f"inputs: expected hl.sym.var symbols; input {i} is "
+                             f"{type(s).__name__ if not isinstance(s, Symbol) else s.node.kind}")
+        if s.key() in seen:
+            raise ValueError(f"inputs: {s.node.name!r} is listed twice")
+        seen.add(s.key())
+    return Program(Graph(inputs, outs), passes, name)

@@ -559,13 +559,19 @@ def run_passes(graph, passes=None):
     """Apply passes (names or functions) in order; default :data:`DEFAULT_PASSES`.
 
     Raises:
-        ValueError: an unknown pass name (the message lists the known ones).
+        ValueError: an unknown pass name (the message lists the known ones), a string instead
+            of a list, or an entry that is neither a name nor a function.
     """
+    if isinstance(passes, str):
+        raise ValueError(f"passes: expected a list of pass names, got the string {passes!r} "
+                         f"(write passes=[{passes!r}])")
     for p in DEFAULT_PASSES if passes is None else passes:
         if isinstance(p, str):
             if p not in PASSES:
                 raise ValueError(f"passes: unknown pass {p!r}; known: {sorted(PASSES)}")
             p = PASSES[p]
+        elif not callable(p):
+            raise ValueError(f"passes: expected pass names or functions Graph -> Graph, got {p!r}")
         plan = getattr(graph, "memory_plan", None)
         graph = p(graph)
         if plan is not None and not hasattr(graph, "memory_plan"):

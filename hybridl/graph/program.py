@@ -108,11 +108,29 @@ class Program:
             raise ValueError(f"{self.op.name}: expected {len(self.in_specs)} inputs "
                              f"{self.input_names}, got {len(args)}")
         conv = []
-        for x, (s, d) in zip(args, self.in_specs):
-            conv.append(x if isinstance(x, nd.NDArray) else nd.array(np.asarray(x, d)))
+        for i, (x, (s, d)) in enumerate(zip(args, self.in_specs)):
+            conv.append(x if isinstance(x, nd.NDArray) else nd.array(self._convert(i, x, d)))
         if not conv:
             return self._run_constant()
         return apply(self.op, *conv)
+
+    def _convert(self, i, x, d):
+        """A NumPy array / number for input ``i`` as dtype ``d``; ValueError when that changes
+        a value beyond float rounding (wrap-around into an integer type, a fraction or NaN
+        into an integer, overflow to inf)."""
+        a = np.asarray(x)
+        if a.dtype == d:
+            return a
+        if a.dtype.kind not in "biuf":
+            raise ValueError(f"{self.op.name}: input {i} ({self.input_names[i]}) must be numbers "
+                             f"convertible to {d}, got dtype {a.dtype}")
+        with np.errstate(all="ignore"):
+            c = a.astype(d)
+            ok = (np.isfinite(c) | ~np.isfinite(a)) if d.kind == "f" else (c.astype(a.dtype) == a)
+        if not np.all(ok):
+            raise ValueError(f"{self.op.name}: input {i} ({self.input_names[i]}) has values that "
+                             f"{d} cannot hold (given {a.dtype}); convert it explicitly")
+        return c
 
     def _run_constant(self):
         from .. import nd
