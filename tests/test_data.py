@@ -142,7 +142,7 @@ def test_normalize_per_channel_sample_equals_batch():
         np.testing.assert_allclose(t(batch[i]), ref[i], rtol=1e-5, atol=1e-6)
     scalar = Normalize(0.5, 0.25)
     np.testing.assert_allclose(scalar(batch), (batch - 0.5) / 0.25, rtol=1e-5)
-    with pytest.raises(ValueError, match="std must be > 0"):
+    with pytest.raises(ValueError, match="std must be finite and > 0"):
         Normalize(0.0, 0.0)
     with pytest.raises(ValueError, match="C=3"):
         t(rng.random((2, 4, 4, 4)))
@@ -417,3 +417,56 @@ def test_bad_dataset_and_batchify():
         DataLoader(5, batch_size=2)
     with pytest.raises(TypeError, match="batchify_fn"):
         DataLoader(ArrayDataset(np.zeros(3)), batch_size=2, batchify_fn=3)
+
+
+def test_loader_calls_an_overridden_getitem_and_per_sample_transforms():
+    from hybridl.data import ArrayDataset, DataLoader
+    from hybridl.data.transforms import Transform
+
+    class Flipped(ArrayDataset):
+        def __getitem__(self, i):
+            x, y = super().__getitem__(i)
+            return -x, y + 100
+    ds = Flipped(np.ones((4, 2), np.float32), np.arange(4))
+    x, y = next(iter(DataLoader(ds, batch_size=4)))
+    np.testing.assert_array_equal(x.asnumpy(), -np.ones((4, 2)))
+    np.testing.assert_array_equal(y.asnumpy(), [100, 101, 102, 103])
+
+    class PerImageMax(Transform):          # batchable is not promised: applied per sample
+        def __call__(self, x):
+            return np.asarray(x, np.float32) / np.float32(np.max(x))
+    imgs = np.array([[10.0] * 4, [200.0] * 4, [50.0] * 4], np.float32)
+    t = ArrayDataset(imgs, np.arange(3)).transform_first(PerImageMax())
+    (b, _), = list(DataLoader(t, batch_size=3))
+    np.testing.assert_array_equal(b.asnumpy(), np.ones((3, 4)))
+
+
+def test_unshuffled_loader_leaves_the_global_rng_alone_and_keeps_the_device():
+    import hybridl as hl
+    from hybridl.data import ArrayDataset, DataLoader
+    ws = []
+    for make_loader in (False, True):
+        hl.random.seed(0)
+        if make_loader:
+            DataLoader(ArrayDataset(np.zeros((8, 2), np.float32)), batch_size=4)
+        net = hl.nn.Dense(3, in_units=2)
+        net.initialize(hl.init.Xavier())
+        ws.append(net.weight.data().asnumpy())
+    np.testing.assert_array_equal(ws[0], ws[1])
+    ld = DataLoader(ArrayDataset(np.ones((4, 2), np.float32)), batch_size=2, device="cpu:1",
+                    batchify_fn=lambda s: hl.nd.array(np.stack(s)))
+    assert all(b[0].device == hl.cpu(1) for b in ld)
+
+
+def test_normalize_and_tofloat_refuse_values_that_give_nan_or_inf():
+    for mean, std in ((0.0, float("nan")), (0.0, float("inf")), (float("nan"), 1.0), (0.0, 1e-45)):
+        with pytest.raises(ValueError, match="Normalize"):
+            Normalize(mean, std)
+    with pytest.raises(ValueError, match="1-D"):
+        Normalize([[0.0, 0.0], [0.0, 0.0]], 1.0)
+    with pytest.raises(ValueError, match="Normalize: mean and std must be numbers"):
+        Normalize(0.0, "a")
+    from hybridl.data.transforms import ToFloat
+    for bad in (float("nan"), "x"):
+        with pytest.raises(ValueError, match="ToFloat: scale"):
+            ToFloat(bad)

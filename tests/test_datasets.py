@@ -313,3 +313,33 @@ def test_download_unreachable_mirror(tmp_path):
     assert os.listdir(root) == []
     with pytest.raises(ValueError, match="mirrors"):
         MNIST(root=str(root), train=False, download=True, mirrors=[])
+
+
+def test_fashion_rejects_labels_outside_its_classes(tmp_path):
+    _fake_fashion(tmp_path / "f")
+    p = tmp_path / "f" / "t10k-labels-idx1-ubyte.gz"
+    lbls = (np.arange(10000) % 10).astype(np.uint8)
+    lbls[0] = 200
+    p.write_bytes(gzip.compress(_idx(lbls), 1))
+    with pytest.raises(DatasetError, match=r"label 200, expected classes in \[0, 10\).*download=True"):
+        FashionMNIST(root=str(tmp_path / "f"), train=False)
+
+
+def test_a_file_verified_by_one_dataset_class_is_verified_again_by_another(tmp_path):
+    # FashionMNIST checks structure only; MNIST checks the MD5: a modified MNIST labels file
+    # loaded first as FashionMNIST must not be served to MNIST from the parsed-array cache
+    rng = np.random.default_rng(0)
+    root = tmp_path / "m"
+    root.mkdir()
+    (root / "t10k-images-idx3-ubyte.gz").write_bytes(
+        gzip.compress(_idx(rng.integers(0, 256, (10000, 28, 28)).astype(np.uint8)), 1))
+    (root / "t10k-labels-idx1-ubyte.gz").write_bytes(gzip.compress(_idx(np.zeros(10000, np.uint8)), 1))
+    assert len(FashionMNIST(root=str(root), train=False)) == 10000
+    with pytest.raises(DatasetError, match="MD5"):
+        MNIST(root=str(root), train=False)
+    # a changed file replaces its old parsed arrays in the cache (they are never hit again)
+    from hybridl.data import vision
+    p = str(root / "t10k-labels-idx1-ubyte.gz")
+    os.utime(p, ns=(1, 1))
+    FashionMNIST(root=str(root), train=False)
+    assert sum(1 for k in vision._CACHE if isinstance(k, tuple) and k[0] == p) == 1

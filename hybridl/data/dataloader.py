@@ -14,7 +14,8 @@ Sample order (per epoch ``e``, documented so that every rank / run can reproduce
 
 With ``num_workers > 0`` a thread pool loads up to ``prefetch`` batches ahead of the consumer
 (NumPy releases the GIL in the copies), and batches are handed out in order, so output is
-identical for every ``num_workers``.
+identical for every ``num_workers`` -- provided the dataset's ``__getitem__`` (and its lazy
+transforms) are thread-safe: workers are threads that call it concurrently.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import collections
 import numbers
 import os
+import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -120,12 +122,18 @@ class DataLoader:
         batch_size (int > 0): samples per batch.
         shuffle (bool): shuffle every epoch (see module docstring for the exact order).
         last_batch: ``'keep'`` | ``'discard'`` | ``'rollover'``.
-        num_workers (int >= 0): background loader threads; 0 loads in the caller's thread.
-            ``None`` reads ``$HYBRIDL_NUM_WORKERS`` (default 0).
+        num_workers (int >= 0): background loader *threads* (not processes, unlike
+            PyTorch's workers); 0 loads in the caller's thread. ``None`` reads
+            ``$HYBRIDL_NUM_WORKERS`` (default 0). With workers, the dataset's ``__getitem__``
+            and its lazy transforms run in several threads at once, so they must be
+            thread-safe (a shared file handle that is seeked and read is not: open one per
+            thread, or read under a lock); the batches are then identical for every
+            ``num_workers``.
         seed (int >= 0 or None): shuffle seed; epoch ``e`` uses
-            ``np.random.default_rng([seed, e]).permutation(N)``. ``None`` draws one seed at
-            construction with ``hybridl.random.randint`` (so ``hl.random.seed(n)`` makes it
-            reproducible; NumPy's global RNG if ``hybridl.random`` is unavailable).
+            ``np.random.default_rng([seed, e]).permutation(N)``. ``None`` with ``shuffle=True``
+            draws one seed at construction with ``hybridl.random.randint`` (so
+            ``hl.random.seed(n)`` makes it reproducible; NumPy's global RNG if
+            ``hybridl.random`` is unavailable); without shuffling nothing is drawn (seed 0).
         num_shards (int >= 1), shard_index (int in [0, num_shards)): distributed sharding,
             contiguous slices of the permutation, remainder dropped (see module docstring).
         prefetch (int >= 0; >= 1 if num_workers > 0): batches loaded ahead of the consumer
@@ -159,7 +167,7 @@ class DataLoader:
             raise TypeError(f"DataLoader: dataset must support len() and indexing, "
                             f"got {type(dataset).__name__}")
         self.batch_size = _check_int("batch_size", batch_size, 1)
-        if last_batch not in _LAST_BATCH:
+        if not isinstance(last_batch, str) or last_batch not in _LAST_BATCH:
             raise ValueError(f"DataLoader: last_batch must be one of {_LAST_BATCH}, "
                              f"got {last_batch!r}")
         if num_workers is None:
@@ -187,7 +195,9 @@ class DataLoader:
             if self.shuffle and self.num_shards > 1:
                 warnings.warn("DataLoader: shuffle with num_shards > 1 and seed=None; pass the "
                               "same seed on every rank or shards may overlap", stacklevel=2)
-            seed = _draw_seed()
+            # drawn only when it is used: an unshuffled loader leaves the global RNG alone
+            # (building a test loader between hl.random.seed and initialize changed the weights)
+            seed = _draw_seed() if self.shuffle else 0
         self.seed = _check_int("seed", seed, 0)
         self.epoch = 0
         self._leftover = np.empty(0, dtype=np.int64)
@@ -241,23 +251,35 @@ class DataLoader:
         return batches
 
     # -- loading ---------------------------------------------------------------------------------
-    def _load(self, indices):
-        """Load one batch as a tuple of NumPy arrays (runs in a worker thread if any)."""
+    def _load(self, indices, stop=None):
+        """Load one batch as a tuple of NumPy arrays (runs in a worker thread if any).
+        ``stop``: an Event set when the consumer has left the loop; a worker then stops
+        between samples instead of finishing a batch nobody will read (which kept the
+        process from exiting until every started batch was loaded)."""
         if self._fast:
             return tuple(self.dataset._gather(indices))
-        samples = [self.dataset[int(i)] for i in indices]
+        samples = []
+        for i in indices:
+            if stop is not None and stop.is_set():
+                return None
+            samples.append(self.dataset[int(i)])
         fn = self.batchify_fn or default_batchify_fn
         out = fn(samples)
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
     def _to_ndarray(self, batch):
         from hybridl.ndarray import array  # lazy: hybridl.ndarray sits above data's deps
+        from hybridl.device import Device as _D
+
+        def _device(d):
+            return _D.parse(d)
         out = []
         for a in batch:
             if isinstance(a, (np.ndarray, np.generic)):
                 out.append(array(a, device=self.device))
-            elif hasattr(a, "asnumpy"):
-                out.append(a)  # already an NDArray
+            elif hasattr(a, "asnumpy"):  # already an NDArray: on the loader's device
+                out.append(a if self.device is None or a.device == _device(self.device)
+                           else a.copyto(_device(self.device)))
             else:
                 out.append(array(np.asarray(a), device=self.device))
         return tuple(out)
@@ -269,10 +291,11 @@ class DataLoader:
             return
         pool = ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix="hybridl-data")
         pending = collections.deque()
+        stop = threading.Event()
         it = iter(batches)
         try:
             for bidx in it:
-                pending.append(pool.submit(self._load, bidx))
+                pending.append(pool.submit(self._load, bidx, stop))
                 if len(pending) >= self.prefetch:
                     break
             while pending:
@@ -280,9 +303,10 @@ class DataLoader:
                 batch = fut.result()
                 nxt = next(it, None)  # keep `prefetch` batches in flight while the consumer works
                 if nxt is not None:
-                    pending.append(pool.submit(self._load, nxt))
+                    pending.append(pool.submit(self._load, nxt, stop))
                 yield batch
         finally:
+            stop.set()
             for f in pending:
                 f.cancel()
             pool.shutdown(wait=False, cancel_futures=True)

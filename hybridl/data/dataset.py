@@ -163,7 +163,9 @@ class ArrayDataset(Dataset):
         return self._length
 
     def _can_gather(self):
-        return True
+        # a subclass that overrides __getitem__ changes what a sample is: the loader must call
+        # it per sample rather than index the arrays directly
+        return type(self).__getitem__ is ArrayDataset.__getitem__
 
     def _gather(self, indices):
         return tuple(a[indices] for a in self.arrays)

@@ -22,9 +22,11 @@ __all__ = ["Transform", "ToFloat", "Normalize", "Compose"]
 
 
 class Transform:
-    """Base class. ``batchable = True`` promises ``t(batch)[i] == t(batch[i])``."""
+    """Base class. A subclass that sets ``batchable = True`` promises
+    ``t(batch)[i] == t(batch[i])``, and the DataLoader may then apply it to a whole batch at
+    once; the default (False) applies it to each sample, which is always correct."""
 
-    batchable = True
+    batchable = False
 
     def __call__(self, x):  # pragma: no cover - abstract
         raise NotImplementedError
@@ -39,8 +41,15 @@ class ToFloat(Transform):
     Input: any shape, any real dtype. Output: same shape, float32.
     """
 
+    batchable = True
+
     def __init__(self, scale=1.0 / 255.0):
-        self.scale = float(scale)
+        try:
+            self.scale = float(scale)
+        except (TypeError, ValueError):
+            raise ValueError(f"ToFloat: scale must be a number, got {scale!r}") from None
+        if not np.isfinite(self.scale):
+            raise ValueError(f"ToFloat: scale must be finite, got {scale!r}")
 
     def __call__(self, x):
         x = np.asarray(_to_numpy(x), dtype=np.float32)
@@ -70,16 +79,31 @@ class Normalize(Transform):
             channel axis of the input does not have ``C`` entries.
     """
 
+    batchable = True
+
     def __init__(self, mean, std):
-        mean = np.asarray(mean, dtype=np.float32).reshape(-1)
-        std = np.asarray(std, dtype=np.float32).reshape(-1)
+        try:
+            mean = np.asarray(mean, dtype=np.float32)
+            std = np.asarray(std, dtype=np.float32)
+        except (TypeError, ValueError):
+            raise ValueError(f"Normalize: mean and std must be numbers or sequences of numbers, "
+                             f"got mean={mean!r}, std={std!r}") from None
+        if mean.ndim > 1 or std.ndim > 1:
+            raise ValueError(f"Normalize: mean and std must be scalars or 1-D (one per channel), "
+                             f"got shapes {mean.shape} and {std.shape}")
+        mean, std = mean.reshape(-1), std.reshape(-1)
         if mean.size == 0 or std.size == 0:
             raise ValueError(f"Normalize: mean and std must be non-empty, got mean={mean}, std={std}")
         if mean.size != std.size and 1 not in (mean.size, std.size):
             raise ValueError(f"Normalize: mean and std must have the same length (one per channel), "
                              f"got len(mean)={mean.size}, len(std)={std.size}")
-        if np.any(std <= 0):
-            raise ValueError(f"Normalize: std must be > 0, got {std.tolist()}")
+        if not np.all(np.isfinite(mean)):
+            raise ValueError(f"Normalize: mean must be finite, got {mean.tolist()}")
+        with np.errstate(over="ignore", divide="ignore"):
+            inv = 1.0 / std
+        if not (np.all(std > 0) and np.all(np.isfinite(std)) and np.all(np.isfinite(inv))):
+            raise ValueError(f"Normalize: std must be finite and > 0 (with a finite 1/std in "
+                             f"float32), got {std.tolist()}")
         self.channels = max(mean.size, std.size)
         self.mean = mean.reshape(-1, 1, 1) if mean.size > 1 else mean.reshape(())
         self.inv_std = (1.0 / std).astype(np.float32)

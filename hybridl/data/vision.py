@@ -260,11 +260,19 @@ class _IDXImageDataset(ArrayDataset):
                     self._download(res)
         # float32 NCHW in [0, 1]; labels int32. Shared (read-only) between instances.
         self.images = self._load(img_res, self._images_to_float)
-        self.labels = self._load(lbl_res, lambda a: a.astype(np.int32))
+        self.labels = self._load(lbl_res, self._labels_to_int)
         if len(self.images) != len(self.labels):  # pragma: no cover - shapes already checked
             raise DatasetError(f"{self.root}: {len(self.images)} images but "
                                f"{len(self.labels)} labels")
         super().__init__(self.images, self.labels)
+
+    def _labels_to_int(self, a):
+        k = len(self.classes)
+        if a.size and int(a.max()) >= k:
+            raise DatasetError(f"{type(self).__name__}: labels file holds label {int(a.max())}, "
+                               f"expected classes in [0, {k}) (corrupt or not a "
+                               f"{type(self).__name__} labels file)")
+        return a.astype(np.int32)
 
     @staticmethod
     def _images_to_float(a):
@@ -293,16 +301,28 @@ class _IDXImageDataset(ArrayDataset):
                 f"HYBRIDL_DATA environment variable, which is searched as "
                 f"$HYBRIDL_DATA/{self.name}) at a folder holding the IDX files.")
         st = os.stat(path)
-        key = (path, st.st_size, st.st_mtime_ns)
+        # the key holds what was verified (the resource's checksums and shape) and how it was
+        # converted, not only the file: another dataset class reading the same path (MNIST
+        # after FashionMNIST) must verify it against its own checksums
+        key = (path, st.st_size, st.st_mtime_ns, type(self).__name__, res.fname, res.md5,
+               res.gz_md5, res.shape)
         with _CACHE_LOCK:
             hit = _CACHE.get(key)
         if hit is not None:
             return hit
         with open(path, "rb") as f:
             raw = f.read()
-        arr = convert(res.verify(raw, path))
+        try:
+            arr = convert(res.verify(raw, path))
+        except DatasetError as e:
+            if "delete it" in str(e):
+                raise
+            raise DatasetError(f"{e}; delete {path} and run again with download=True (CLI: "
+                               f"--download) to fetch a fresh copy") from None
         arr.setflags(write=False)
         with _CACHE_LOCK:
+            for k in [k for k in _CACHE if k[0] == path and k[1:3] != key[1:3]]:
+                del _CACHE[k]           # a changed file: its old arrays are never hit again
             _CACHE[key] = arr
         return arr
 
