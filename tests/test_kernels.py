@@ -889,3 +889,32 @@ def test_conv_argument_types_are_checked_not_converted():
     # NumPy integers and a float bias of another precision are fine (the bias is cast)
     y = K.conv2d(x, w, np.ones(2), stride=np.int64(1), padding=(np.int32(1), 1))
     assert y.dtype == np.float32 and y.shape == (1, 2, 4, 4)
+
+
+@pytest.mark.parametrize("k,st,pad", [((2, 2), (2, 2), (0, 0)), ((3, 3), (2, 2), (1, 1)),
+                                      ((2, 2), (1, 1), (0, 0))])
+def test_max_pool_grad_sends_a_nan_windows_gradient_to_its_first_nan(k, st, pad):
+    # the reference by hand: for each window, the first position (row-major) holding the max,
+    # where a NaN counts as the max (as max_pool2d propagates it; PyTorch's CPU rule)
+    from hybridl.kernels import pool
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 2, 6, 6))
+    x[0, 0, 1, 2] = np.nan
+    x[1, 1, 4, 3] = np.nan
+    x[1, 1, 4, 4] = np.nan
+    y = pool.max_pool2d(x, k, st, pad)
+    dy = rng.standard_normal(y.shape)
+    dx = pool.max_pool2d_grad(dy, x, y, k, st, pad)
+    xp = np.pad(x, ((0, 0), (0, 0), (pad[0], pad[0]), (pad[1], pad[1])), constant_values=-np.inf)
+    want = np.zeros_like(xp)
+    for n in range(2):
+        for c in range(2):
+            for oh in range(y.shape[2]):
+                for ow in range(y.shape[3]):
+                    win = xp[n, c, oh * st[0]:oh * st[0] + k[0], ow * st[1]:ow * st[1] + k[1]]
+                    flat = win.ravel()
+                    i = int(np.flatnonzero(np.isnan(flat))[0]) if np.isnan(flat).any() \
+                        else int(np.argmax(flat))
+                    want[n, c, oh * st[0] + i // k[1], ow * st[1] + i % k[1]] += dy[n, c, oh, ow]
+    want = want[:, :, pad[0]:pad[0] + 6, pad[1]:pad[1] + 6]
+    np.testing.assert_allclose(dx, want, rtol=1e-12, atol=1e-12)

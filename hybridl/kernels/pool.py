@@ -203,6 +203,17 @@ def max_pool2d_grad(dy, x, y, kernel, stride=None, padding=(0, 0), *, out=None):
     H, W = x.shape[2:]
     taken = np.zeros((N, C, OH, OW), dtype=bool)
     hit = np.empty((N, C, OH, OW), dtype=bool)
+    # a window whose max is NaN (max_pool2d propagates it) sends its gradient to its first NaN,
+    # as PyTorch does; NaN == NaN is False, so those windows need one more test (only then)
+    ynan = np.isnan(y) if y.dtype.kind == "f" and not np.isfinite(np.sum(y)) else None
+    ynan = ynan if ynan is not None and ynan.any() else None
+
+    def equal(win, out):
+        np.equal(win, y, out=out)
+        if ynan is not None:
+            out |= np.isnan(win) & ynan
+        return out
+
     if _fast(H, W, kh, kw, sh, sw, ph, pw):
         dx = out if out is not None else np.empty(x.shape, dtype=dy.dtype)
         xr = x.reshape(N, C, OH, kh, OW, kw)
@@ -214,7 +225,7 @@ def max_pool2d_grad(dy, x, y, kernel, stride=None, padding=(0, 0), *, out=None):
                 if i * kw + j == last:
                     np.logical_not(taken, out=hit)  # the remaining windows must have their max here
                 else:
-                    np.equal(xr[:, :, :, i, :, j], y, out=hit)
+                    equal(xr[:, :, :, i, :, j], hit)
                     np.greater(hit, taken, out=hit)  # hit and not taken
                     taken |= hit
                 np.multiply(dy, hit, out=tgt[:, :, :, i, :, j])
@@ -226,7 +237,7 @@ def max_pool2d_grad(dy, x, y, kernel, stride=None, padding=(0, 0), *, out=None):
     tmp = np.empty((N, C, OH, OW), dtype=dy.dtype)
     for i in range(kh):
         for j in range(kw):
-            np.equal(_window(xp, i, j, OH, OW, sh, sw), y, out=hit)
+            equal(_window(xp, i, j, OH, OW, sh, sw), hit)
             np.greater(hit, taken, out=hit)  # hit and not taken
             taken |= hit
             np.multiply(dy, hit, out=tmp)
