@@ -75,15 +75,58 @@ def is_training():
     return _state.training
 
 
+# ops whose gradient rule reads no input or output value (only shapes, attributes and the
+# incoming gradient): a write to one of their inputs between recording and backward changes
+# no gradient, so only inputs that need gradients are checked for them
+_VALUE_FREE = frozenset({"add", "subtract", "negative", "reshape", "transpose", "broadcast_to",
+                         "sum", "mean", "sum_to", "identity", "stop_gradient", "slice",
+                         "slice_grad", "concat", "cast", "zeros_like", "ones_like"})
+
+
 class Node:
-    __slots__ = ("op", "inputs", "outputs", "attrs", "freed", "versions")
+    __slots__ = ("op", "inputs", "outputs", "attrs", "freed", "versions", "out_versions")
 
     def __init__(self, op, inputs, outputs, attrs):
         self.op, self.inputs, self.outputs, self.attrs = op, inputs, outputs, attrs
         self.freed = False
-        # versions of the inputs that need gradients: a write to one of them between recording
-        # and backward would make the gradient use the new value (as PyTorch's version counter)
+        # versions of the inputs and outputs: a write to one of them between recording and
+        # backward would make the gradient use the new value (PyTorch's version counter)
         self.versions = tuple(getattr(x, "_version", 0) for x in inputs)
+        self.out_versions = tuple(getattr(o, "_version", 0) for o in outputs)
+
+    def refresh_versions(self):
+        """Take the current versions as the recorded ones (for writes made by the op itself,
+        e.g. a hybridized program assigning BatchNorm statistics after the call)."""
+        self.versions = tuple(getattr(x, "_version", 0) for x in self.inputs)
+        self.out_versions = tuple(getattr(o, "_version", 0) for o in self.outputs)
+
+
+def _value_free(op):
+    n = op.name
+    return n in _VALUE_FREE or (n.startswith("split") and n[5:].isdigit())
+
+
+def _check_versions(node):
+    """RuntimeError when an array the gradient of ``node`` reads was written after recording
+    (every input that needs a gradient; for ops whose gradient reads values, every input and
+    output: a data batch refilled in place, an output overwritten)."""
+    free = _value_free(node.op)
+    for x, v in zip(node.inputs, node.versions):
+        if getattr(x, "_version", v) != v and (
+                not free or x._ag is not None or x._grad_req != "null"):
+            _modified(node, "an input", x, v)
+    if not free:
+        for o, v in zip(node.outputs, node.out_versions):
+            if getattr(o, "_version", v) != v:
+                _modified(node, "the result", o, v)
+
+
+def _modified(node, what, x, v):
+    raise RuntimeError(
+        f"backward: {what} of {node.op.name!r} (shape {x.shape}) was modified after it was "
+        f"recorded (version {v} -> {x._version}), e.g. by an optimizer step or an in-place "
+        f"update (x[:] = ..., x += ...) before backward(); the gradient would use the new "
+        f"value. Call backward() before changing it, or compute on a copy.")
 
 
 def record_op(op, inputs, outputs, attrs):
@@ -179,13 +222,7 @@ def _run_backward(heads, head_grads, retain_graph, create_graph, wanted=None):
                 ogs.append(e[1])
             if all(g is None for g in ogs):
                 continue
-            for x, v in zip(node.inputs, node.versions):
-                if getattr(x, "_version", v) != v and (x._ag is not None or x._grad_req != "null"):
-                    raise RuntimeError(
-                        f"backward: an input of {node.op.name!r} (shape {x.shape}) was modified "
-                        f"after it was recorded (version {v} -> {x._version}), e.g. by an "
-                        f"optimizer step or an in-place update before backward(); the gradient "
-                        f"would use the new value. Call backward() before changing it.")
+            _check_versions(node)
             needs = tuple(x.dtype.kind == "f" and (x._ag is not None or x._grad_req != "null")
                           for x in node.inputs)
             ctx = GradCtx(node.inputs, node.outputs, node.attrs, needs)

@@ -610,3 +610,41 @@ def test_compile_and_program_calls_refuse_what_they_cannot_run_faithfully():
         hl.compile([f + 1, 3])
     with pytest.raises(ValueError, match="'f' is listed twice"):
         hl.compile(f + 1, inputs=[f, f])
+
+
+def test_backward_refuses_values_changed_after_recording_that_its_gradient_reads():
+    w = nd.array(np.array([1.0, 2.0]))
+    w.attach_grad()
+    batch = nd.array(np.array([3.0, 4.0]))
+    with ag.record():
+        loss = (w * batch).sum()
+    batch[:] = 0.0                      # a data buffer refilled before backward
+    with pytest.raises(RuntimeError, match="an input of 'multiply'.*modified after it was recorded"):
+        loss.backward()
+    x = nd.array(np.array([0.0, 1.0]))
+    x.attach_grad()
+    with ag.record():
+        h = nd.exp(x)
+    h[:] = 0.0                          # exp's gradient reads its result
+    with pytest.raises(RuntimeError, match="the result of 'exp'"):
+        h.backward()
+    # writes no gradient reads stay allowed: add's gradient reads no values
+    with ag.record():
+        loss = (w + batch).sum()
+    batch[:] = 5.0
+    loss.backward()
+    np.testing.assert_array_equal(w.grad.asnumpy(), [1.0, 1.0])
+    # a hybridized BatchNorm writes its statistics after the call: not a modification
+    net = nn.HybridSequential()
+    net.add(nn.Dense(3, in_units=2), nn.BatchNorm(in_channels=3))
+    net.initialize()
+    xb = nd.array(np.random.default_rng(0).standard_normal((4, 2)).astype(np.float32))
+    grads = []
+    for hyb in (False, True):
+        net.hybridize(hyb)
+        with ag.record():
+            out = (net(xb) * nd.array(np.arange(12, dtype=np.float32).reshape(4, 3))).sum()
+        out.backward()
+        grads.append(net[0].weight.grad().asnumpy())
+    np.testing.assert_allclose(grads[1], grads[0], rtol=1e-5)
+    assert np.abs(grads[0]).max() > 1e-3

@@ -247,6 +247,9 @@ def _run(entry, args):
         with autograd.pause(autograd.is_training()):
             for p, v in zip(entry.side_params, side):
                 p.data(dev)._assign(v)
+        rec = outs[0]._ag
+        if rec is not None:         # the program's own writes (BatchNorm statistics) are not
+            rec[0].refresh_versions()   # later modifications of what its gradient reads
     user = outs[:entry.n_user]
     return user[0] if entry.single else tuple(user)
 
