@@ -648,3 +648,19 @@ def test_backward_refuses_values_changed_after_recording_that_its_gradient_reads
         grads.append(net[0].weight.grad().asnumpy())
     np.testing.assert_allclose(grads[1], grads[0], rtol=1e-5)
     assert np.abs(grads[0]).max() > 1e-3
+
+
+def test_writing_a_tracked_value_into_an_array_inside_record_is_refused():
+    x = nd.array(np.array([1.0, 2.0, 3.0]))
+    x.attach_grad()
+    y = nd.zeros((3,))
+    with ag.record():
+        with pytest.raises(RuntimeError, match="in-place assignment inside autograd.record"):
+            y[0:2] = x[0:2] * 3
+        y2 = nd.concat(x[0:2] * 3, nd.zeros((1,)), axis=0)    # the recorded way
+        z = (y2 * y2).sum() + x.sum()
+    z.backward()
+    np.testing.assert_allclose(x.grad.asnumpy(), [19.0, 37.0, 1.0])
+    with ag.record():
+        y[0:2] = nd.array(np.array([5.0, 6.0]))                 # untracked values: allowed
+    np.testing.assert_array_equal(y.asnumpy(), [5.0, 6.0, 0.0])
