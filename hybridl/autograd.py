@@ -254,12 +254,19 @@ def _run_backward(heads, head_grads, retain_graph, create_graph, wanted=None):
             continue
         g = g[1]
         add = x._grad_req == "add"
+        plain = type(x._grad) is nd.NDArray and g.shape == x._grad.shape
+        if add and plain and not create_graph and not _tracked(g):
+            # accumulated by ONE op that reads and writes .grad (an add op and an assign op
+            # let another thread's backward land in between and be lost); a micro-batch whose
+            # gradient failed leaves the sum of the others (skip_clean), as with the naive
+            # engine, where its backward raised before this
+            x._grad._fresh = True
+            x._grad._inplace(M.add, g, priority=1, skip_clean=True)
+            continue
         if add:
-            # accumulated: a micro-batch whose gradient failed leaves the sum of the others
-            # (skip_clean), as with the naive engine, where its backward raised before this
             g = M.add(x._grad, g)
         x._grad._fresh = True
-        if type(x._grad) is not nd.NDArray or g.shape != x._grad.shape:
+        if not plain:
             x._grad._assign(g, skip_clean=add)
             continue
         if add:
@@ -276,6 +283,10 @@ def _run_backward(heads, head_grads, retain_graph, create_graph, wanted=None):
         else:
             nd.assign_many(pairs, priority=1)
     return None
+
+
+def _tracked(a):
+    return a._ag is not None or a._grad_req != "null"
 
 
 def backward(heads, head_grads=None, retain_graph=False):

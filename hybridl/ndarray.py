@@ -410,9 +410,10 @@ class NDArray:
     def __or__(self, o): return M.logical_or(self, o)
     def __xor__(self, o): return M.logical_xor(self, o)
 
-    def _inplace(self, fn, other):
+    def _inplace(self, fn, other, priority=0, skip_clean=False):
         """``self op= other`` as ONE engine op that reads and writes ``self`` (two ops would let
-        another thread's update slip in between and be lost)."""
+        another thread's update slip in between and be lost). ``priority``/``skip_clean``: as
+        for :meth:`Engine.push`."""
         if _ag.is_recording() and (_tracked(self) or (isinstance(other, NDArray) and _tracked(other))):
             raise RuntimeError("in-place update inside autograd.record() would not be recorded "
                                "(or would corrupt the gradient); write y = x + v instead of x += v")
@@ -437,7 +438,8 @@ class NDArray:
             r = kernel(dst._data, o._data)
             dst._data = r if r.dtype == mydt else r.astype(mydt)
 
-        _engine.push(run, [o._var, dst._var], [dst._var], dst.device, name=f"{op.name}_inplace")
+        _engine.push(run, [o._var, dst._var], [dst._var], dst.device, priority,
+                     f"{op.name}_inplace", skip_clean=skip_clean)
         return self
 
     def __iadd__(self, o): return self._inplace(M.add, o)

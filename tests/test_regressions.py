@@ -664,3 +664,20 @@ def test_writing_a_tracked_value_into_an_array_inside_record_is_refused():
     with ag.record():
         y[0:2] = nd.array(np.array([5.0, 6.0]))                 # untracked values: allowed
     np.testing.assert_array_equal(y.asnumpy(), [5.0, 6.0, 0.0])
+
+
+def test_gradient_accumulation_from_threads_loses_no_backward():
+    x = nd.array(np.array([1.0, 2.0]))
+    x.attach_grad("add")
+
+    def work():
+        for _ in range(150):
+            with ag.record():
+                y = (x * x).sum()
+            y.backward()
+    ts = [threading.Thread(target=work) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    np.testing.assert_array_equal(x.grad.asnumpy(), 600 * np.array([2.0, 4.0]))
