@@ -554,7 +554,16 @@ def _scalar_dtype(value, like):
     if isinstance(value, (bool, np.bool_)):
         return like if like.kind != "b" else np.dtype(bool)
     if isinstance(value, numbers.Integral):
-        return I64 if like.kind == "b" else like
+        dt = I64 if like.kind == "b" else like
+        if dt.kind in "iu":
+            # as NumPy does for a Python int: a NumPy integer scalar (np.int64(2**32 + 1) with
+            # an int32 array) must not wrap around silently in the C cast
+            info = np.iinfo(dt)
+            if not info.min <= int(value) <= info.max:
+                raise OverflowError(f"integer {int(value)} does not fit the array's dtype {dt} "
+                                    f"(range [{info.min}, {info.max}]); use a wider array "
+                                    f"(x.astype('int64')) or a float")
+        return dt
     if like.kind == "f":
         return like
     return F32
@@ -690,6 +699,9 @@ def array(obj, dtype=None, device=None):
     elif a.dtype.kind == "f" and not isinstance(obj, np.ndarray):
         a = a.astype(F32)
     elif a.dtype.kind in "iu" and a.dtype not in (np.int32, np.int64):
+        if a.dtype == np.uint64 and a.size and int(a.max()) > np.iinfo(np.int64).max:
+            raise OverflowError(f"obj: uint64 values up to {int(a.max())} do not fit int64 (the "
+                                f"widest integer dtype of NDArrays); convert to float64")
         a = a.astype(I64)
     elif a.dtype.kind not in "fiub":
         raise TypeError(f"obj: expected numbers, got an array of dtype {a.dtype}")

@@ -681,3 +681,14 @@ def test_gradient_accumulation_from_threads_loses_no_backward():
     for t in ts:
         t.join()
     np.testing.assert_array_equal(x.grad.asnumpy(), 600 * np.array([2.0, 4.0]))
+
+
+def test_integer_scalars_that_do_not_fit_the_array_never_wrap():
+    x = nd.array(np.array([1, 2, 3], np.int32))
+    for v in (np.int64(2 ** 32 + 1), 2 ** 32 + 1, np.uint64(2 ** 63)):
+        with pytest.raises(OverflowError, match="does not fit the array's dtype int32"):
+            x + v
+    np.testing.assert_array_equal((x + np.int64(5)).asnumpy(), [6, 7, 8])
+    with pytest.raises(OverflowError, match="do not fit int64"):
+        nd.array(np.array([2 ** 64 - 1], np.uint64))
+    assert nd.array(np.array([7], np.uint64)).asnumpy().tolist() == [7]
