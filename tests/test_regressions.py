@@ -692,3 +692,12 @@ def test_integer_scalars_that_do_not_fit_the_array_never_wrap():
     with pytest.raises(OverflowError, match="do not fit int64"):
         nd.array(np.array([2 ** 64 - 1], np.uint64))
     assert nd.array(np.array([7], np.uint64)).asnumpy().tolist() == [7]
+
+
+def test_a_tuple_inside_an_index_is_refused_not_misread():
+    x = nd.array(np.arange(12.0).reshape(4, 3))
+    for key in (((0, 2),), ((0, 2), 1), (("s", 0, 2, None),)):   # NumPy: integer-array indexing
+        with pytest.raises(TypeError, match="use take"):
+            x[key]
+    np.testing.assert_array_equal(x[1:3, None, ..., 0].asnumpy(),
+                                  np.arange(12.0).reshape(4, 3)[1:3, None, ..., 0])

@@ -1187,14 +1187,17 @@ def _slice_grad_kernel(g, shape, key):
 
 SLICE_GRAD = register("slice_grad", _slice_grad_kernel,
                       lambda g, shape, key: [(shape, g.dtype)],
-                      lambda c, g: (slice_(g, c.attrs["key"]),))
+                      lambda c, g: (apply(SLICE, g, key=c.attrs["key"]),))
 
 
 def slice_(x, key):
     """Basic indexing ``x[key]`` (ints, slices, None, Ellipsis) without a copy; writes to the
-    result never reach ``x`` (arrays are not written in place)."""
-    return apply(SLICE, x, key=key if isinstance(key, tuple) and key and isinstance(key[0], tuple)
-                 else encode_key(key))
+    result never reach ``x`` (arrays are not written in place).
+
+    Raises:
+        TypeError: a key element that is not an int, slice, None or Ellipsis (a tuple or list
+            of indices is integer-array indexing: use ``take``)."""
+    return apply(SLICE, x, key=encode_key(key))
 
 
 def slice_grad(g, shape, key):
