@@ -701,3 +701,34 @@ def test_a_tuple_inside_an_index_is_refused_not_misread():
             x[key]
     np.testing.assert_array_equal(x[1:3, None, ..., 0].asnumpy(),
                                   np.arange(12.0).reshape(4, 3)[1:3, None, ..., 0])
+
+
+@pytest.mark.parametrize("xv,axis", [([0.0, 2.0, 3.0], None), ([[0.0, 2.0], [3.0, 4.0], [0.0, 0.0]], 1),
+                                     ([[1.5, -2.0], [3.0, 0.5]], 0)])
+def test_prod_gradient_is_the_product_of_the_others_also_at_zeros(xv, axis):
+    xa = np.array(xv)
+    x = nd.array(xa)
+    x.attach_grad()
+    with ag.record():
+        y = nd.prod(x, axis=axis).sum()
+    y.backward()
+    want = np.zeros_like(xa)
+    for idx in np.ndindex(xa.shape):       # by definition: d/dx_i of the product = the others
+        others = xa.copy()
+        others[idx] = 1.0
+        want[idx] = others.prod() if axis is None else np.take(
+            others.prod(axis=axis), [i for a, i in enumerate(idx) if a != axis][0])
+    np.testing.assert_allclose(x.grad.asnumpy(), want, rtol=1e-12)
+
+
+def test_power_gradient_at_a_zero_base_with_a_zero_exponent_is_zero():
+    x = nd.array(np.array([0.0, 2.0, 0.0]))
+    x.attach_grad()
+    with ag.record():
+        y = (x ** nd.array(np.array([0.0, 0.0, 2.0]))).sum()
+    y.backward()
+    np.testing.assert_array_equal(x.grad.asnumpy(), [0.0, 0.0, 0.0])
+    with ag.record():
+        y = (x ** 3.0).sum()
+    y.backward()
+    np.testing.assert_array_equal(x.grad.asnumpy(), [0.0, 12.0, 0.0])

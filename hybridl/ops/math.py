@@ -69,7 +69,10 @@ def _g_div(c, g):
 def _g_pow(c, g):
     a, b = c.inputs
     y = c.outputs[0]
-    ga = multiply(g, multiply(b, power(a, subtract(b, 1.0))))
+    # b * a**(b - 1), with the base taken as 1 where b == 0 (x**0 is constant; at a == 0 the
+    # formula would be 0 * inf = NaN): b == 0 then gives exactly 0
+    base = where(equal(b, 0.0), 1.0, a)
+    ga = multiply(g, multiply(b, power(base, subtract(b, 1.0))))
     gb = multiply(g, multiply(y, log(where(greater(a, 0.0), a, 1.0))))
     return _sum_to(ga, a.shape), _sum_to(gb, b.shape)
 
@@ -587,9 +590,16 @@ def _g_maxred(c, g):
 def _g_prod(c, g):
     x, y = c.inputs[0], c.outputs[0]
     ax, kd = c.attrs["axis"], c.attrs["keepdims"]
-    y = _expand_back(y, x.shape, ax, kd)
     g = _expand_back(g, x.shape, ax, kd)
-    return (divide(multiply(g, y), x),)     # undefined where x == 0 (as in MXNet's prod)
+    # d prod / d x_i = product of the other elements: prod / x_i without zeros; with one zero,
+    # the product of the rest at that zero and 0 elsewhere; with two or more zeros, 0
+    zero = equal(x, 0.0)
+    nonzero = where(zero, 1.0, x)
+    p = _expand_back(apply(PROD, nonzero, axis=ax, keepdims=kd), x.shape, ax, kd)
+    nz = _expand_back(apply(SUM, zero.astype(x.dtype), axis=ax, keepdims=kd), x.shape, ax, kd)
+    other = where(equal(nz, 0.0), divide(p, nonzero),
+                  where(logical_and(equal(nz, 1.0), zero), p, 0.0))
+    return (multiply(g, other),)
 
 
 def _sum_kernel(x, axis, keepdims, out=None):
@@ -683,7 +693,8 @@ def min(x, axis=None, keepdims=False):  # noqa: A001
 
 
 def prod(x, axis=None, keepdims=False):
-    """Product over ``axis`` (its gradient y/x is undefined where x == 0)."""
+    """Product over ``axis``. Its gradient is the product of the other elements (exact where
+    x holds zeros, as PyTorch's; not y / x)."""
     return _reduce(PROD, x, axis, keepdims, "prod")
 
 
