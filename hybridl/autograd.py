@@ -311,10 +311,13 @@ def grad(heads, variables, head_grads=None, retain_graph=None, create_graph=Fals
     """Gradients of ``heads`` w.r.t. ``variables`` returned as a list (``.grad`` untouched).
 
     With ``create_graph=True`` the backward ops are themselves recorded, so the returned
-    gradients can be differentiated again (higher-order derivatives).
+    gradients can be differentiated again (higher-order derivatives). A variable the heads do
+    not depend on gets zeros of its shape (as ``allow_unused`` in PyTorch, with zeros for None).
 
     Raises:
-        ValueError: a variable does not influence the heads.
+        ValueError: a head is not part of a recorded graph, or a head gradient's shape differs.
+        RuntimeError: the graph was freed by an earlier backward, or a value its gradient reads
+            was modified after recording.
     """
     from . import ndarray as nd
     if not isinstance(heads, (list, tuple)):
