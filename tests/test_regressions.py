@@ -732,3 +732,13 @@ def test_power_gradient_at_a_zero_base_with_a_zero_exponent_is_zero():
         y = (x ** 3.0).sum()
     y.backward()
     np.testing.assert_array_equal(x.grad.asnumpy(), [0.0, 12.0, 0.0])
+
+
+def test_ops_numpy_has_no_loop_for_fail_at_the_call_not_at_a_later_sync():
+    b = nd.array(np.array([True, False]))
+    for f in (lambda: b - b, lambda: -b, lambda: nd.sign(b)):
+        with pytest.raises(TypeError, match="of bool arrays is not defined"):
+            f()
+    with pytest.raises(ValueError, match="sizes must be >= 0"):
+        nd.broadcast_to(nd.ones((2,)), (-1, 2))
+    np.testing.assert_array_equal((nd.ones((2,)) - b).asnumpy(), [0.0, 1.0])   # mixed: defined

@@ -87,7 +87,20 @@ def _g_maxmin(c, g):
 
 
 ADD = register("add", _ew2_kernel(np.add), _ew2_infer("add"), _g_add, ew="({0} + {1})")
-SUB = register("subtract", _ew2_kernel(np.subtract), _ew2_infer("subtract"), _g_sub, ew="({0} - {1})")
+def _no_bool(name, infer, what):
+    """``infer`` that first refuses bool operands (NumPy has no bool loop for ``name``: the
+    error would otherwise come from the kernel, at the next sync point)."""
+    def checked(*xs, **attrs):
+        if all(x.dtype.kind == "b" for x in xs):
+            raise TypeError(f"{name}: {what} of bool arrays is not defined (as in NumPy); use "
+                            f"logical_xor / logical_not, or cast with .astype('int32')")
+        return infer(*xs, **attrs)
+    return checked
+
+
+SUB = register("subtract", _ew2_kernel(np.subtract), _no_bool("subtract", _ew2_infer("subtract"),
+                                                              "subtraction"),
+               _g_sub, ew="({0} - {1})")
 MUL = register("multiply", _ew2_kernel(np.multiply), _ew2_infer("multiply"), _g_mul, ew="({0} * {1})")
 
 
@@ -273,7 +286,8 @@ def _fk(uf):
     return kernel
 
 
-NEG = register("negative", lambda x, out=None: np.negative(x, out=out), _same,
+NEG = register("negative", lambda x, out=None: np.negative(x, out=out),
+               _no_bool("negative", _same, "negation"),
                lambda c, g: (negative(g),), ew="(-{0})")
 EXP = _u("exp", _fk(np.exp), lambda c, g: (multiply(g, c.outputs[0]),), "exp({0})")
 LOG = _u("log", _fk(np.log), lambda c, g: (divide(g, c.inputs[0]),), "log({0})")
@@ -357,7 +371,7 @@ def _softplus_kernel(x, out=None):
 SOFTPLUS = _u("softplus", _softplus_kernel, lambda c, g: (multiply(g, sigmoid(c.inputs[0])),))
 ABS = register("abs", lambda x, out=None: np.abs(x, out=out), _same,
                lambda c, g: (multiply(g, sign(c.inputs[0])),), ew="abs({0})")
-SIGN = register("sign", lambda x, out=None: np.sign(x, out=out), _same,
+SIGN = register("sign", lambda x, out=None: np.sign(x, out=out), _no_bool("sign", _same, "the sign"),
                 lambda c, g: (zeros_like_op(g),))
 FLOOR = register("floor", lambda x, out=None: np.floor(x, out=out), _same,
                  lambda c, g: (zeros_like_op(g),))
@@ -1087,6 +1101,8 @@ def flatten(x):
 
 
 def _bt_infer(x, shape):
+    if any(s < 0 for s in shape):
+        raise ValueError(f"broadcast_to: shape sizes must be >= 0, got {shape}")
     broadcast_shape_to("broadcast_to", x.shape, shape)
     return [(shape, x.dtype)]
 
