@@ -459,3 +459,62 @@ def test_ring_allreduce_passes_a_failed_gradient_on_without_a_second_error(engin
         after = [p.data(d).asnumpy() for p in net.collect_params().values() for d in devs]
         for a, b in zip(before, after):
             np.testing.assert_array_equal(a, b)
+
+
+def _dp_run(devs, grad_req="write", zero=True, steps=4, batch=1, data_devs=None):
+    import hybridl as hl
+    from hybridl import autograd
+    rng = np.random.RandomState(0)
+    X = rng.rand(steps, batch, 1, 8, 8).astype("float32")
+    Y = rng.randint(0, 10, (steps, batch)).astype("float32")
+    lf = hl.loss.SoftmaxCrossEntropyLoss()
+    hl.random.seed(0)
+    net = hl.models.mlp(hidden=(32, 16))
+    net.initialize(hl.init.Xavier(), device=devs)
+    if grad_req != "write":
+        for p in net.collect_params().values():
+            p.grad_req = grad_req
+    tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
+                    kvstore="device" if len(devs) > 1 else None)
+    dp = hl.parallel.DataParallel(net, data_devs or devs)
+    for s in range(steps):
+        with autograd.record():
+            loss = lf(dp(hl.nd.array(X[s])), hl.nd.array(Y[s]))
+        loss.backward()
+        tr.step(batch)
+        if zero and grad_req == "add":
+            tr.zero_grad()
+    return {n: [a.asnumpy() for a in p.list_data()] for n, p in net.collect_params().items()}
+
+
+@pytest.mark.parametrize("case", ["batch_smaller_than_devices", "data_on_fewer_devices",
+                                  "add_without_zero_grad"])
+def test_data_parallel_equals_one_device_when_devices_idle_or_gradients_accumulate(case):
+    import warnings
+    import hybridl as hl
+    devs = [hl.cpu(0), hl.cpu(1), hl.cpu(2)]
+    kw = {"batch_smaller_than_devices": dict(batch=2),
+          "data_on_fewer_devices": dict(batch=2, data_devs=[hl.cpu(0)]),
+          "add_without_zero_grad": dict(batch=3, grad_req="add", zero=False)}[case]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        one = _dp_run([hl.cpu(0)], **{k: v for k, v in kw.items() if k != "data_devs"})
+        many = _dp_run(devs, **kw)
+    for n in one:
+        for copy in many[n]:               # every replica equals the one-device weights
+            np.testing.assert_allclose(copy, one[n][0], rtol=1e-5, atol=1e-6)
+
+
+def test_split_and_load_of_data_that_needs_a_gradient_passes_it_back():
+    x = hl.nd.array(np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32))
+    w = hl.nd.array(np.arange(3, dtype=np.float32))
+    grads = []
+    for devs in ([hl.cpu(0)], [hl.cpu(0), hl.cpu(1)]):
+        x.attach_grad()
+        with autograd.record():
+            parts = hl.parallel.split_and_load(x, devs)
+            losses = [(p * w.copyto(p.device)).sum() for p in parts]
+        autograd.backward(losses)
+        grads.append(x.grad.asnumpy())
+    np.testing.assert_array_equal(grads[0], np.tile(np.arange(3, dtype=np.float32), (4, 1)))
+    np.testing.assert_array_equal(grads[1], grads[0])

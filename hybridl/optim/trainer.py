@@ -98,17 +98,51 @@ class Trainer:
             self._kv.init(list(range(len(self._params))), [p.list_data() for p in self._params])
 
     def allreduce_grads(self):
-        """Sum each parameter's gradients over its device copies (and processes), in place."""
+        """Sum each parameter's gradients over its device copies (and processes), in place.
+
+        A copy that no backward wrote since the last step (its device got no data) counts as
+        zero and is updated like the others, so replicas stay identical. Parameters with
+        ``grad_req='add'`` are reduced into separate buffers: each copy's ``.grad`` keeps its
+        own accumulated sum (reduced in place, the next step would add the previous sum once
+        per device), and the update uses the reduced one."""
         if not self._kv_ready:
             self._init_kvstore()
         if self._kv is None:
             return
         n = len(self._params)
+        self._reduced = {}
         for i in reversed(range(n)):          # last layers first, at the highest priority: their
             # gradients are ready first, while backward of earlier layers is still running
             p = self._params[i]
             grads = p.list_grad()
+            if len(grads) > 1:
+                fresh = [getattr(g, "_fresh", True) for g in grads]
+                if any(fresh) and not all(fresh):
+                    # a copy no backward wrote this step (its device got no data: a batch
+                    # smaller than the number of devices) adds nothing to the sum, not the
+                    # previous step's gradient; it takes the same step as the others
+                    for g, f in zip(grads, fresh):
+                        if not f:
+                            g[:] = 0
+                            g._fresh = True
+                if p.grad_req == "add":
+                    # accumulating buffers keep their own sums: reduced into separate arrays
+                    # (reduced in place, the next step would add the sum k times over)
+                    outs = self._reduce_bufs(i, grads)
+                    self._kv.pushpull(i, grads, out=outs, priority=i)
+                    for d, o in zip(p.list_device(), outs):
+                        self._reduced[(i, d)] = o
+                    continue
             self._kv.pushpull(i, grads, out=grads, priority=i)
+
+    def _reduce_bufs(self, i, grads):
+        bufs = self.__dict__.setdefault("_rbufs", {})
+        got = bufs.get(i)
+        if got is None or [b.shape for b in got] != [g.shape for g in grads] or \
+                [b.device for b in got] != [g.device for g in grads]:
+            from .. import nd
+            got = bufs[i] = [nd.zeros(g.shape, g.dtype, g.device) for g in grads]
+        return got
 
     def step(self, batch_size, ignore_stale_grad=False):
         """One optimization step: aggregate gradients, then update every parameter copy.
@@ -142,6 +176,7 @@ class Trainer:
         opt.num_update += 1
         by_device = {}
         stale = []
+        reduced = self.__dict__.get("_reduced") or {}
         for i, p in enumerate(self._params):
             for d, w in zip(p.list_device(), p.list_data()):
                 g = w.grad
@@ -152,6 +187,7 @@ class Trainer:
                         stale.append(p.name)              # used (as MXNet, it is not updated)
                     continue
                 g._fresh = False
+                g = reduced.get((i, d), g)
                 by_device.setdefault(d, []).append(
                     (w, g, self._state((i, d), w), p.lr_mult, p.wd_mult))
         if stale and not self._ignore_stale:

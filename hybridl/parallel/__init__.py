@@ -119,6 +119,10 @@ def split_and_load(data, devices, batch_axis=0, even_split=True):
         return [data.to(devices[0])]
     from .. import autograd
     parts = split_data(data, len(devices), batch_axis, even_split)
+    if autograd.is_recording() and (data._ag is not None or data._grad_req != "null"):
+        # data that needs a gradient (a generator's output, an input for a saliency map):
+        # differentiable copies, so each slice's gradient comes back to data's device
+        return [transfer(p, d) for p, d in zip(parts, devices)]
     with autograd.pause(autograd.is_training()):
         return [p if p.device == d else p.copyto(d) for p, d in zip(parts, devices)]
 
