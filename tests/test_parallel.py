@@ -518,3 +518,36 @@ def test_split_and_load_of_data_that_needs_a_gradient_passes_it_back():
         grads.append(x.grad.asnumpy())
     np.testing.assert_array_equal(grads[0], np.tile(np.arange(3, dtype=np.float32), (4, 1)))
     np.testing.assert_array_equal(grads[1], grads[0])
+
+
+@pytest.mark.parametrize("kvstore", ["device", None])
+@pytest.mark.parametrize("target", ["both", "other"])
+def test_reset_device_during_training_replans_and_moves_optimizer_state(kvstore, target):
+    rng = np.random.RandomState(0)
+    B = 12
+    X = rng.rand(3, B, 1, 8, 8).astype("float32")
+    Y = rng.randint(0, 10, (3, B)).astype("float32")
+    lf = hl.loss.SoftmaxCrossEntropyLoss()
+
+    def run(reset_to):
+        hl.random.seed(0)
+        net = hl.models.mlp(hidden=(32, 16))
+        net.initialize(hl.init.Xavier(), device=hl.cpu(0))
+        tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
+                        kvstore=kvstore)
+        for s in range(3):
+            if s == 1 and reset_to is not None:
+                net.collect_params().reset_device(reset_to)
+            devs = net.collect_params()["0.weight"].list_device()
+            xs = hl.parallel.split_and_load(X[s], devs)
+            ys = hl.parallel.split_and_load(Y[s], devs)
+            with autograd.record():
+                losses = [lf(net(a), b) for a, b in zip(xs, ys)]
+            autograd.backward(losses)
+            tr.step(B)
+        return {n: [a.asnumpy() for a in p.list_data()] for n, p in net.collect_params().items()}
+    one = run(None)
+    moved = run([hl.cpu(0), hl.cpu(1)] if target == "both" else [hl.cpu(1)])
+    for n in one:
+        for copy in moved[n]:
+            np.testing.assert_allclose(copy, one[n][0], rtol=1e-5, atol=1e-6)

@@ -86,6 +86,7 @@ class Trainer:
 
     def _init_kvstore(self):
         self._kv_ready = True
+        self._kv_devices = [tuple(p.list_device()) for p in self._params]
         multi = any(len(p.list_device()) > 1 for p in self._params)
         spec = self._kv_spec
         if spec is None and not multi:
@@ -107,6 +108,8 @@ class Trainer:
         per device), and the update uses the reduced one."""
         if not self._kv_ready:
             self._init_kvstore()
+        elif [tuple(p.list_device()) for p in self._params] != self._kv_devices:
+            self._devices_changed()
         if self._kv is None:
             return
         n = len(self._params)
@@ -134,6 +137,32 @@ class Trainer:
                         self._reduced[(i, d)] = o
                     continue
             self._kv.pushpull(i, grads, out=grads, priority=i)
+
+    def _devices_changed(self):
+        """Parameters were moved (``reset_device``) since the gradient aggregation was planned:
+        plan it again for the new devices, and give each new device copy the optimizer state
+        of a copy it replaces (replicas are identical, so are their states), as MXNet's
+        ``reset_ctx`` resets the trainer's kvstore."""
+        if _is_dist(self._kv_spec):
+            raise RuntimeError("Trainer: parameters changed devices (reset_device) during "
+                               "distributed training; make a new Trainer on every rank")
+        for i, p in enumerate(self._params):
+            old = self._kv_devices[i] if i < len(self._kv_devices) else ()
+            have = [d for d in old if (i, d) in self._states]
+            for d, w in zip(p.list_device(), p.list_data()):
+                if (i, d) in self._states or not have:
+                    continue
+                src = self._states[(i, have[0])]
+                st = self._state((i, d), w)
+                _engine.wait_for(src["var"])        # its pending update first
+                st["t"] = src["t"]
+                st["arrays"] = _copy_state(src["arrays"], d)
+            for d in old:
+                if d not in p.list_device():
+                    self._states.pop((i, d), None)
+        self._kv = None
+        self.__dict__.pop("_rbufs", None)
+        self._init_kvstore()
 
     def _reduce_bufs(self, i, grads):
         bufs = self.__dict__.setdefault("_rbufs", {})
@@ -270,3 +299,9 @@ def _is_dist(spec):
 
 
 _ = ParameterDict
+
+
+def _copy_state(arrays, device):
+    """An optimizer state (a dict name -> NumPy array, see Optimizer.create_state) copied for
+    another device copy of the weight (host memory: every logical device is the CPU)."""
+    return {k: np.array(v, copy=True) for k, v in arrays.items()}
