@@ -551,3 +551,31 @@ def test_reset_device_during_training_replans_and_moves_optimizer_state(kvstore,
     for n in one:
         for copy in moved[n]:
             np.testing.assert_allclose(copy, one[n][0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_tensor_parallel_layers_start_as_the_unsplit_layer(k):
+    devs = [hl.cpu(i) for i in range(k)]
+    hl.random.seed(3)
+    dense = nn.Dense(7, in_units=5)
+    conv = nn.Conv2D(6, 3, in_channels=2)
+    dense.initialize(hl.init.Xavier())
+    conv.initialize(hl.init.Xavier())
+    hl.random.seed(3)
+    cd = ColumnParallelDense(7, devs, in_units=5)
+    cc = ChannelParallelConv2D(6, 3, devs, in_channels=2)
+    rd = hl.parallel.RowParallelDense(7, devs)        # in_units deferred: split on first call
+    cd.initialize(hl.init.Xavier())
+    cc.initialize(hl.init.Xavier())
+    np.testing.assert_array_equal(np.concatenate([w.data().asnumpy() for w, _ in cd.shard_params()]),
+                                  dense.weight.data().asnumpy())
+    np.testing.assert_array_equal(np.concatenate([w.data().asnumpy() for w, _ in cc.shard_params()]),
+                                  conv.weight.data().asnumpy())
+    hl.random.seed(5)
+    ref = nn.Dense(7, in_units=8)
+    ref.initialize(hl.init.Xavier())
+    hl.random.seed(5)
+    rd.initialize(hl.init.Xavier())
+    rd(hl.nd.ones((2, 8)))
+    np.testing.assert_array_equal(np.concatenate([w.data().asnumpy() for w in rd._w], axis=1),
+                                  ref.weight.data().asnumpy())

@@ -34,16 +34,54 @@ from . import transfer
 __all__ = ["ColumnParallelDense", "RowParallelDense", "ChannelParallelConv2D", "ShardParameter"]
 
 
+class _ShardGroup:
+    """The shards of one layer's weight (or bias), split along ``axis`` in ``sizes``: their
+    initial values are slices of ONE draw of the whole tensor with the layer's initializer, so
+    a tensor-parallel layer starts exactly as the unsplit layer would (with the same
+    distribution -- Xavier's fans are the whole layer's -- and, under one seed, the same
+    numbers) on any number of devices."""
+
+    def __init__(self, axis, sizes):
+        self.axis, self.sizes = axis, sizes
+        self._full, self._served = None, set()
+
+    def shard(self, index, init, shape, dtype, device):
+        full_shape = list(shape)
+        full_shape[self.axis] = int(sum(self.sizes))
+        if self._full is None or index in self._served:     # a new round (or re-initialization)
+            self._full = np.asarray(init(tuple(full_shape), dtype, device).asnumpy())
+            self._served = set()
+        self._served.add(index)
+        off = int(sum(self.sizes[:index]))
+        part = np.take(self._full, np.arange(off, off + shape[self.axis]), axis=self.axis)
+        if len(self._served) == len(self.sizes):
+            self._full = None                               # every shard has its slice
+        from .. import nd
+        return nd.array(part, dtype=dtype, device=device)
+
+
 class ShardParameter(Parameter):
     """A Parameter that lives on one fixed device: ``initialize(device=...)`` and
-    ``reset_device`` ignore the device asked for (a tensor-parallel shard must stay put)."""
+    ``reset_device`` ignore the device asked for (a tensor-parallel shard must stay put).
+    Shards of one layer share a :class:`_ShardGroup` and are initialized as slices of the
+    whole layer's weight."""
 
-    def __init__(self, *args, device=None, **kw):
+    def __init__(self, *args, device=None, group=None, index=0, **kw):
         super().__init__(*args, **kw)
         self.home = Device.parse(device)
+        self._group, self._index = group, index
 
     def initialize(self, init=None, device=None, default_init=None, force_reinit=False):
         return super().initialize(init, self.home, default_init, force_reinit)
+
+    def _init_now(self, init, devices):
+        g = self._group
+        if g is None or g.sizes is None:
+            return super()._init_now(init, devices)
+
+        def sliced(shape, dtype, device):
+            return g.shard(self._index, init, shape, dtype, device)
+        return super()._init_now(sliced, devices)
 
     def reset_device(self, device):
         return None
@@ -65,14 +103,20 @@ def _check_devices(devices, layer):
 class _Sharded(Block):
     """Common part: shard parameters ``weight{i}``/``bias{i}`` on ``devices[i]``."""
 
-    def _make(self, wshapes, bshapes, dtype, winit, binit):
+    def _make(self, wshapes, bshapes, dtype, winit, binit, axis=0, sizes=None):
+        """Shards ``weight{i}`` (and ``bias{i}``), split along ``axis`` of the weight in
+        ``sizes`` (None: set later, when the input is seen)."""
         self._w, self._b = [], []
+        self._wgroup = _ShardGroup(axis, sizes)
+        bgroup = _ShardGroup(0, sizes)
         for i, d in enumerate(self.devices):
-            w = ShardParameter(f"weight{i}", wshapes[i], dtype, winit, device=d)
+            w = ShardParameter(f"weight{i}", wshapes[i], dtype, winit, device=d,
+                               group=self._wgroup, index=i)
             setattr(self, f"weight{i}", w)
             self._w.append(w)
             if bshapes is not None:
-                b = ShardParameter(f"bias{i}", bshapes[i], dtype, binit, device=d)
+                b = ShardParameter(f"bias{i}", bshapes[i], dtype, binit, device=d,
+                                   group=bgroup, index=i)
                 setattr(self, f"bias{i}", b)
                 self._b.append(b)
 
@@ -103,7 +147,8 @@ class ColumnParallelDense(_Sharded):
         self._act = _act(activation)
         self._gather = gather_output
         self._make([(u, in_units) for u in self._sizes], [(u,) for u in self._sizes]
-                   if use_bias else None, dtype, weight_initializer, bias_initializer)
+                   if use_bias else None, dtype, weight_initializer, bias_initializer,
+                   0, self._sizes)
 
     def forward(self, x):
         if len(x.shape) != 2:
@@ -155,7 +200,7 @@ class RowParallelDense(_Sharded):
         k = len(self.devices)
         self._sizes = _sizes(in_units, k, "in_units", "RowParallelDense") if in_units else None
         self._make([(units, s) for s in (self._sizes or [0] * k)], None, dtype,
-                   weight_initializer, bias_initializer)
+                   weight_initializer, bias_initializer, 1, self._sizes)
         self.bias = (ShardParameter("bias", (units,), dtype, bias_initializer,
                                     device=self.devices[0]) if use_bias else None)
 
@@ -177,6 +222,8 @@ class RowParallelDense(_Sharded):
                   for i, d in enumerate(self.devices)]
         if self._sizes is None:
             self._sizes = sizes
+        if self._wgroup.sizes is None:
+            self._wgroup.sizes = list(sizes)
         if not self._w[0]._shape_known():
             for w, s in zip(self._w, sizes):
                 w._finish_deferred_init((self._units, s))
@@ -226,7 +273,8 @@ class ChannelParallelConv2D(_Sharded):
         self._kernel, self._conv_args = ks, (strides, padding, dilation, 1)
         self._act, self._gather = _act(activation), gather_output
         self._make([(c, in_channels) + ks for c in self._sizes], [(c,) for c in self._sizes]
-                   if use_bias else None, dtype, weight_initializer, bias_initializer)
+                   if use_bias else None, dtype, weight_initializer, bias_initializer,
+                   0, self._sizes)
 
     def forward(self, x):
         if len(x.shape) != 4:
