@@ -579,3 +579,28 @@ def test_tensor_parallel_layers_start_as_the_unsplit_layer(k):
     rd(hl.nd.ones((2, 8)))
     np.testing.assert_array_equal(np.concatenate([w.data().asnumpy() for w in rd._w], axis=1),
                                   ref.weight.data().asnumpy())
+
+
+def test_pipeline_with_a_frozen_first_stage_trains_the_rest():
+    x = np.random.default_rng(0).random((4, 5)).astype("float32")
+    y = np.array([0, 1, 2, 3], np.float32)
+    lf = hl.loss.SoftmaxCrossEntropyLoss()
+    grads = []
+    for piped in (False, True):
+        hl.random.seed(0)
+        s = [nn.Dense(8, in_units=5), nn.Dense(10, in_units=8)]
+        if piped:
+            p = Pipeline(s, [hl.cpu(0), hl.cpu(1)], 2)
+            p.initialize()
+        else:
+            for b in s:
+                b.initialize()
+        s[0].collect_params().setattr("grad_req", "null")
+        if piped:
+            p.forward_backward(x, y, lf)
+        else:
+            with autograd.record():
+                loss = lf(s[1](s[0](hl.nd.array(x))), hl.nd.array(y))
+            loss.backward()
+        grads.append(s[1].weight.grad(s[1].weight.list_device()[0]).asnumpy())
+    np.testing.assert_allclose(grads[1], grads[0], rtol=1e-5, atol=1e-7)

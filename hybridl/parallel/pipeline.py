@@ -314,6 +314,10 @@ class Pipeline:
     def _bwd(self, s, j, inp, out, losses):
         if s == len(self.stages) - 1:
             autograd.backward(losses[j])
+        elif out[s][j]._ag is None:
+            # nothing to differentiate in this stage (its parameters frozen, grad_req='null',
+            # and its input the data): its output was not recorded, so no backward to run
+            return
         else:
             g = inp[s + 1][j].grad
             with autograd.pause():
