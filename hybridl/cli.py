@@ -46,7 +46,18 @@ def main(argv=None):
         return 2
     module = importlib.import_module(COMMANDS[cmd][0])
     entry = getattr(module, f"main_{cmd}", None) or module.main
-    return entry(rest)
+    try:
+        return entry(rest)
+    except KeyboardInterrupt:          # Ctrl-C: one line, not a traceback (files are written
+        print(f"\nhybridl {cmd}: interrupted", file=sys.stderr)    # atomically: none is
+        return 130                     # half-written); 128 + SIGINT, as shell tools
+    except BrokenPipeError:            # `hybridl trace | head`: the reader left; stop quietly
+        import os
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except OSError:
+            pass
+        return 141                     # 128 + SIGPIPE
 
 
 if __name__ == "__main__":

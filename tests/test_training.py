@@ -589,3 +589,21 @@ def test_hybridl_without_a_command_prints_usage_and_exits_2(capsys):
     assert main([]) == 2
     assert "usage: hybridl <command>" in capsys.readouterr().err
     assert main(["--help"]) == 0
+
+
+def test_ctrl_c_ends_training_with_one_line_and_no_file(tmp_path):
+    import signal
+    save = tmp_path / "m.safetensors"
+    p = _start("train", "--epochs", "200", "--save", str(save))
+    try:
+        line = p.stdout.readline()             # the run has started
+        while line and "epoch" not in line:
+            line = p.stdout.readline()
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, err
+    assert "hybridl train: interrupted" in err and "Traceback" not in err, err
+    assert os.listdir(tmp_path) == []          # no --save file, no temporary
