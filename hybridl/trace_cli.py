@@ -51,7 +51,7 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         return _trace(args)
-    except (FileNotFoundError, ValueError) as e:
+    except (ValueError, OSError) as e:
         print(f"hybridl trace: error: {e}", file=sys.stderr)
         return 2
 
@@ -65,9 +65,13 @@ def _trace(args):
     if len(devices) > 1:
         raise ValueError(f"--devices: tracing records one device, got {len(devices)}; "
                          f"pass --device cpu:0")
-    folder = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(folder):                 # fail before training, not after
-        raise ValueError(f"--out: folder {folder!r} does not exist")
+    from ._io import _check_target                # fail before training, not after
+    from .train_cli import _probe_write
+    try:
+        _check_target(args.out)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"--out: {e}") from None
+    _probe_write(args.out, "--out")
     _setup(args)
     train_set, _, size = _load_data(args)
     loader = data.DataLoader(train_set, args.batch_size, shuffle=True, seed=args.seed,

@@ -321,13 +321,29 @@ def main_train(argv=None):
         return 2
 
 
+def _probe_write(path, option):
+    """Create and remove a temporary file beside ``path``: a directory the process cannot
+    write into (permissions, /proc, a read-only mount) is an error before any work is done."""
+    import tempfile
+    d = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".hybridl-probe-", dir=d)
+        os.close(fd)
+        os.remove(tmp)
+    except OSError as e:
+        raise PermissionError(f"{option}: cannot write files into {d!r} ({e.strerror})") from None
+
+
 def _train(args):
     from . import data, optim
     _setup(args)
     if args.save:                 # fail before training, not after it
-        d = os.path.dirname(os.path.abspath(args.save))
-        if not os.path.isdir(d):
-            raise FileNotFoundError(f"--save: directory {d!r} does not exist")
+        from ._io import _check_target
+        try:
+            _check_target(args.save)
+        except (ValueError, OSError) as e:
+            raise type(e)(f"--save: {e}") from None
+        _probe_write(args.save, "--save")
     dist = None
     if args.distributed:
         from . import distributed as dist
@@ -346,8 +362,17 @@ def _train(args):
                              f"{dist.size()} processes; use a multiple of {dist.size()}")
         local_batch = args.batch_size // dist.size()
         shard = dict(num_shards=dist.size(), shard_index=dist.rank())
+    discard = len(devices) > 1 or bool(shard)
+    per_rank = len(train_set) // (shard.get("num_shards", 1))
+    if discard and local_batch > per_rank:
+        # the loader drops the incomplete last batch (every device/rank needs its share):
+        # nothing would be trained
+        raise ValueError(f"--batch-size {args.batch_size} is larger than the {per_rank} training "
+                         f"samples each {'rank' if shard else 'step'} can use; with several "
+                         f"devices or processes an incomplete batch is dropped, so use at most "
+                         f"{per_rank * (args.batch_size // local_batch)}")
     train_loader = data.DataLoader(train_set, local_batch, shuffle=True, seed=args.seed,
-                                   last_batch="discard" if (len(devices) > 1 or shard) else "keep",
+                                   last_batch="discard" if discard else "keep",
                                    num_workers=args.num_workers, device=devices[0], **shard)
     test_loader = data.DataLoader(test_set, 256, num_workers=args.num_workers, device=devices[0])
     net = _model(args.model, size)
@@ -431,6 +456,7 @@ def main_export(argv=None):
         for path in [args.out + "-symbol.json", args.out + ".safetensors"] + \
                 ([args.onnx] if args.onnx else []):
             _check_target(path)
+            _probe_write(path, "--onnx" if path == args.onnx else "--out")
     except (ValueError, OSError) as e:
         print(f"hybridl export: error: {e}", file=sys.stderr)
         return 2

@@ -375,7 +375,7 @@ def test_cache_roundtrip_atomic_and_corrupt(tmp_path, monkeypatch):
         hw.save_report(dict(rep, schema_version=0))
 
 
-@pytest.mark.parametrize("argv", [["--bogus"], ["--json"], ["--json", "/no/such/dir/x.json"],
+@pytest.mark.parametrize("argv", [["--bogus"], ["--json"], ["--json", "/no/such/dir/x.json"], ["--json", "/"],
                                   ["--storage-dir", "/no/such/dir"], ["extra"]])
 def test_cli_bad_options_exit_2(argv, capsys):
     assert hw_report.main(argv) == 2

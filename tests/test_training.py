@@ -154,6 +154,9 @@ BAD_OPTIONS = [
     (("--momentum", "5"), "momentum"),
     (("--lr-schedule", "linear"), "--lr-schedule"),
     (("--save", "/nonexistent/p.safetensors"), "/nonexistent"),     # before training, not after
+    (("--save", "/"), "expected a file name"),
+    (("--save", "/proc/p.safetensors"), "cannot write files into '/proc'"),
+    (("--devices", "cpu:0,cpu:1", "--batch-size", "2000"), "larger than the 1438 training samples"),
 ]
 
 

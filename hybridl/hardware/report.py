@@ -388,9 +388,11 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
         for opt, path in (("--json", args.json), ("--plot", args.plot)):
             if path is not None:
-                d = os.path.dirname(os.path.abspath(path))
-                if not os.path.isdir(d):
-                    raise _UsageError(f"{opt}: directory {d!r} does not exist")
+                from .._io import _check_target
+                try:                     # checked before measuring for minutes, not after
+                    _check_target(path)
+                except (ValueError, OSError) as e:
+                    raise _UsageError(f"{opt}: {e}") from None
         if args.storage_dir is not None and not os.path.isdir(args.storage_dir):
             raise _UsageError(f"--storage-dir: {args.storage_dir!r} is not a directory")
         if args.plot:
