@@ -162,6 +162,14 @@ class Profile:
         finally:
             if eng.profiler is self:
                 eng.profiler = self._prev
+            else:               # stopped before a profile started inside it: unlink it from
+                node = eng.profiler     # the chain, so the inner one stops forwarding to it
+                while node is not None:
+                    if node._prev is self:
+                        node._prev = self._prev
+                        break
+                    node = node._prev
+            self._prev = None
             self.active = False
             self.t_stop = time.perf_counter()
         return self

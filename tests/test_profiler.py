@@ -439,3 +439,18 @@ def test_compiled_call_reports_the_cost_of_its_whole_graph():
     assert len(ev) == 1
     assert ev[0].flops == pytest.approx(2 * 4 * (16 * 32 + 32 * 8), rel=0.05)
     assert ev[0].bytes >= 4 * (16 * 32 + 32 * 8)          # at least the weights are read
+
+
+def test_profiles_stopped_out_of_order_leave_the_engine_clean():
+    eng = hl.engine.get_engine()
+    before = eng.profiler
+    a = hl.profiler.Profile().start()
+    b = hl.profiler.Profile().start()
+    a.stop()                                   # the outer one first
+    x = hl.nd.ones((3,)) * 2
+    x.wait_to_read()
+    n_a = len(a.events)
+    b.stop()
+    assert eng.profiler is before
+    assert n_a == len(a.events) == 0           # a records nothing after it stopped
+    assert any(e.name == "multiply" for e in b.events)
