@@ -381,3 +381,11 @@ def test_cli_bad_options_exit_2(argv, capsys):
     assert hw_report.main(argv) == 2
     err = capsys.readouterr().err
     assert "error" in err and len(err.splitlines()) <= 3
+
+
+def test_storage_measurement_never_fills_the_disk(tmp_path):
+    import shutil
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(ValueError, match="more than half the free space"):
+        hw.measure_storage(str(tmp_path), file_bytes=(free // (1 << 20) + 1) << 20)
+    assert list(tmp_path.iterdir()) == []

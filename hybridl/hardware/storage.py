@@ -64,7 +64,8 @@ def measure_storage(directory: str | None = None, file_bytes: int = 256 * _MiB,
         ``"rand_read"`` (IOPS).
 
     Raises:
-        ValueError: directory missing / not a directory / not writable, or bad sizes.
+        ValueError: directory missing / not a directory / not writable, bad sizes, or a
+            file_bytes above half the directory's free space.
     """
     if directory is None:
         directory = tempfile.gettempdir()
@@ -83,6 +84,11 @@ def measure_storage(directory: str | None = None, file_bytes: int = 256 * _MiB,
     random_seconds = check_positive_float("random_seconds", random_seconds)
     nblocks = file_bytes // block_bytes
     file_bytes = nblocks * block_bytes
+    import shutil
+    free = shutil.disk_usage(directory).free
+    if file_bytes > free // 2:          # never fill the disk (other programs write there too)
+        raise ValueError(f"file_bytes={file_bytes} is more than half the free space of "
+                         f"{directory!r} ({free} bytes free); pass a smaller file_bytes")
 
     buf = mmap.mmap(-1, block_bytes)           # page-aligned, as O_DIRECT requires
     np.frombuffer(buf, dtype=np.uint8)[:] = np.random.default_rng(seed).integers(
