@@ -70,6 +70,8 @@ def _compiled():
         so = ctypes.CDLL(lib)
     except Exception:
         return None
+    finally:            # a loaded library stays mapped after its file is removed (POSIX)
+        shutil.rmtree(d, ignore_errors=True)
     so.chase.restype = ctypes.c_uint64
     so.chase.argtypes = [ctypes.c_uint64, ctypes.c_uint64]
     return so.chase, so
