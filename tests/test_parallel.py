@@ -604,3 +604,15 @@ def test_pipeline_with_a_frozen_first_stage_trains_the_rest():
             loss.backward()
         grads.append(s[1].weight.grad(s[1].weight.list_device()[0]).asnumpy())
     np.testing.assert_allclose(grads[1], grads[0], rtol=1e-5, atol=1e-7)
+
+
+def test_data_parallel_refuses_an_idle_device_when_sync_batch_norm_waits_for_all():
+    devs = [hl.cpu(0), hl.cpu(1)]
+    net = nn.HybridSequential()
+    net.add(nn.Dense(4, in_units=3), hl.parallel.SyncBatchNorm(in_channels=4))
+    net.initialize(device=devs)
+    dp = hl.parallel.DataParallel(net, devs)
+    with autograd.record():
+        with pytest.raises(ValueError, match="batch of 1 sample.*SyncBatchNorm"):
+            dp(hl.nd.ones((1, 3)))
+    assert dp(hl.nd.ones((1, 3))).shape == (1, 4)       # predict mode: running statistics

@@ -168,6 +168,11 @@ def transfer(x, device):
 # ============================================================================ data parallel
 
 
+def _is_training():
+    from .. import autograd
+    return autograd.is_training()
+
+
 class DataParallel:
     """Data parallelism as a Block-like wrapper: ``DataParallel(net, devices)(x)`` splits ``x``
     over ``devices`` (:func:`split_and_load`, ``even_split=False``), runs ``net`` on each slice
@@ -201,6 +206,11 @@ class DataParallel:
     def __call__(self, x):
         from ..ops.math import concat
         k = min(len(self.devices), x.shape[0])
+        if k < len(self.devices) and _is_training() and self._has_sync_bn():
+            raise ValueError(f"DataParallel: a batch of {x.shape[0]} sample(s) over "
+                             f"{len(self.devices)} devices leaves a device without data, and "
+                             f"the network's SyncBatchNorm waits for every device; use a batch "
+                             f"of at least {len(self.devices)}")
         if k <= 1:
             return self.net(x.to(self.devices[0]))
         xs = split_and_load(x, self.devices[:k], even_split=False)
@@ -209,6 +219,18 @@ class DataParallel:
         return concat(*[transfer(o, home) for o in outs], axis=0)
 
     forward = __call__
+
+    def _has_sync_bn(self):
+        has = self.__dict__.get("_sync_bn")
+        if has is None:
+            from .sync_bn import SyncBatchNorm
+            stack, has = [self.net], False
+            while stack and not has:
+                b = stack.pop()
+                has = isinstance(b, SyncBatchNorm)
+                stack.extend(getattr(b, "_children", {}).values())
+            self._sync_bn = has
+        return has
 
     def collect_params(self, select=None):
         return self.net.collect_params(select)
