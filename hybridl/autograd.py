@@ -94,11 +94,6 @@ class Node:
         self.versions = tuple(getattr(x, "_version", 0) for x in inputs)
         self.out_versions = tuple(getattr(o, "_version", 0) for o in outputs)
 
-    def refresh_versions(self):
-        """Take the current versions as the recorded ones (for writes made by the op itself,
-        e.g. a hybridized program assigning BatchNorm statistics after the call)."""
-        self.versions = tuple(getattr(x, "_version", 0) for x in self.inputs)
-        self.out_versions = tuple(getattr(o, "_version", 0) for o in self.outputs)
 
 
 def _value_free(op):
@@ -108,16 +103,20 @@ def _value_free(op):
 
 def _check_versions(node):
     """RuntimeError when an array the gradient of ``node`` reads was written after recording
-    (every input that needs a gradient; for ops whose gradient reads values, every input and
-    output: a data batch refilled in place, an output overwritten)."""
-    free = _value_free(node.op)
-    for x, v in zip(node.inputs, node.versions):
+    (every input that needs a gradient; and the inputs and outputs its gradient rule reads:
+    those the op lists in ``grad_reads`` (a compiled program: its backward's residuals), else
+    all of them unless the rule reads no values (``_VALUE_FREE``): a data batch refilled in
+    place, an output overwritten)."""
+    reads = node.op.grad_reads
+    free = reads is None and _value_free(node.op)
+    for i, (x, v) in enumerate(zip(node.inputs, node.versions)):
         if getattr(x, "_version", v) != v and (
-                not free or x._ag is not None or x._grad_req != "null"):
+                x._ag is not None or x._grad_req != "null"
+                or (i in reads[0] if reads is not None else not free)):
             _modified(node, "an input", x, v)
     if not free:
-        for o, v in zip(node.outputs, node.out_versions):
-            if getattr(o, "_version", v) != v:
+        for j, (o, v) in enumerate(zip(node.outputs, node.out_versions)):
+            if getattr(o, "_version", v) != v and (reads is None or j in reads[1]):
                 _modified(node, "the result", o, v)
 
 

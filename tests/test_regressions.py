@@ -742,3 +742,22 @@ def test_ops_numpy_has_no_loop_for_fail_at_the_call_not_at_a_later_sync():
     with pytest.raises(ValueError, match="sizes must be >= 0"):
         nd.broadcast_to(nd.ones((2,)), (-1, 2))
     np.testing.assert_array_equal((nd.ones((2,)) - b).asnumpy(), [0.0, 1.0])   # mixed: defined
+
+
+def test_two_hybridized_batch_norm_calls_before_one_backward():
+    # each call assigns the running statistics; the program's gradient does not read them,
+    # so backward of the first call is not refused (siamese nets, GANs, micro-batches)
+    rng = np.random.default_rng(0)
+    a = nd.array(rng.standard_normal((4, 3)).astype(np.float32))
+    b = nd.array(rng.standard_normal((4, 3)).astype(np.float32))
+    grads = []
+    for hyb in (False, True):
+        net = nn.HybridSequential()
+        net.add(nn.Dense(4, in_units=3), nn.BatchNorm(in_channels=4), nn.Dense(2, in_units=4))
+        net.initialize(init=hl.init.Constant(0.3))
+        net.hybridize(hyb)
+        with ag.record():
+            loss = (net(a) * net(b)).sum()
+        loss.backward()
+        grads.append(net[0].weight.grad().asnumpy())
+    np.testing.assert_allclose(grads[1], grads[0], rtol=1e-4, atol=1e-6)

@@ -153,6 +153,10 @@ def _build(fn, args, name, passes, want_grad_data, static=None, parallel_segment
         return tuple(full)
 
     prog = Program(fwd_g, passes, name, grad=grad)
+    # what the backward reads (autograd checks only these for later writes: the BatchNorm
+    # statistics the program itself assigns after each call are not among them)
+    prog.op.grad_reads = (frozenset(i for kind, i in res_spec if kind == "input"),
+                          frozenset(i for kind, i in res_spec if kind != "input"))
     return _Compiled(prog, n_user, single, side_params, params, bwd)
 
 
@@ -247,9 +251,7 @@ def _run(entry, args):
         with autograd.pause(autograd.is_training()):
             for p, v in zip(entry.side_params, side):
                 p.data(dev)._assign(v)
-        rec = outs[0]._ag
-        if rec is not None:         # the program's own writes (BatchNorm statistics) are not
-            rec[0].refresh_versions()   # later modifications of what its gradient reads
+
     user = outs[:entry.n_user]
     return user[0] if entry.single else tuple(user)
 

@@ -29,7 +29,7 @@ OPS = {}
 
 class Op:
     __slots__ = ("name", "kernel", "infer", "grad", "cost", "n_out", "ew", "differentiable",
-                 "random", "out_ok", "priority", "emit", "fresh", "__weakref__")
+                 "random", "out_ok", "priority", "emit", "fresh", "__weakref__", "grad_reads")
 
     def __init__(self, name, kernel, infer, grad=None, cost=None, n_out=1, ew=None,
                  differentiable=True, random=False, fresh=False):
@@ -45,6 +45,9 @@ class Op:
         self.priority = 0        # engine priority of its ops (a program segment's critical path)
         self.emit = None         # optional inline code for compiled programs (graph.codegen)
         self.fresh = fresh       # outputs never views of the inputs (module docstring)
+        # (input indices, output indices) the gradient rule reads, when known (compiled
+        # programs: their backward's residuals); None: any input or output may be read
+        self.grad_reads = None
         try:
             import inspect
             self.out_ok = "out" in inspect.signature(kernel).parameters
