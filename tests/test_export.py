@@ -318,3 +318,29 @@ def test_imported_block_returns_copies_of_inputs_and_parameters(tmp_path):
         a, b = blk(x)
         a[:] = 5
         np.testing.assert_array_equal(x.asnumpy(), np.ones((2, 3), np.float32))
+
+
+def test_models_with_scalar_constants_0d_parameters_and_dropout_round_trip(tmp_path):
+    class Odd(nn.HybridBlock):
+        def __init__(self):
+            super().__init__()
+            self.d = nn.Dense(2, in_units=3)
+            self.t = nn.Parameter("temp", (), init="ones")
+
+        def forward(self, x):           # scalar constants, a 0-d parameter, dropout always on
+            y = (self.d(x) * 0.5 + 1.0) * self.t.data()
+            return y, hl.nd.dropout(y, 0.5, training=True)
+    net = Odd()
+    net.initialize()
+    net.t.set_data(np.array(3.0, np.float32))
+    x = nd.ones((2, 3))
+    sym, par = net.export(str(tmp_path / "m"), x)
+    blk = hl.nn.SymbolBlock.imports(sym, ["data0"], par)
+    np.testing.assert_array_equal(blk(x)[0].asnumpy(), net(x)[0].asnumpy())
+    assert set(np.unique(blk(x)[1].asnumpy() / blk(x)[0].asnumpy() / 2).round(6)) <= {0.0, 1.0}
+    p = str(tmp_path / "p.safetensors")
+    net.save_parameters(p)
+    net2 = Odd()
+    net2.initialize()
+    net2.load_parameters(p)
+    assert net2.t.data().shape == () and net2.t.data().asnumpy() == 3.0

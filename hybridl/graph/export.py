@@ -63,7 +63,7 @@ def graph_to_json(graph, n_data):
             d["inputs"] = [[s.node.id, s.index] for s in n.inputs]
             d["attrs"] = {k: _enc(v) for k, v in n.attrs.items()}
         elif n.kind == "const":
-            tensors[f"__const__/{n.id}"] = np.ascontiguousarray(n.value)
+            tensors[f"__const__/{n.id}"] = np.array(n.value, order="C")     # 0-d stays 0-d
         nodes.append(d)
     doc = {"format": FORMAT, "version": VERSION,
            "inputs": [{"name": s.node.name, "shape": list(s.shape), "dtype": s.dtype.name,
@@ -101,7 +101,7 @@ def export(block, prefix, *example_inputs):
     g = run_passes(Graph(inputs, outs), _EXPORT_PASSES)
     doc, tensors = graph_to_json(g, len(args))
     for p, s in zip(ctx.params, inputs[len(args):]):
-        tensors[s.node.name] = np.ascontiguousarray(p.data().asnumpy())
+        tensors[s.node.name] = np.array(p.data().asnumpy(), order="C")
     doc["single_output"] = single
     sym_file, param_file = f"{prefix}-symbol.json", f"{prefix}.safetensors"
 
@@ -226,8 +226,9 @@ def _signature_mismatch(op, n_inputs, attrs):
         sig = inspect.signature(op.kernel)
     except (TypeError, ValueError):          # a builtin without a signature: not checked
         return None
+    extra = {"_rng": None} if op.random else {}     # random ops: the generator is passed too
     try:
-        sig.bind(*([None] * n_inputs), **attrs)
+        sig.bind(*([None] * n_inputs), **attrs, **extra)
     except TypeError as e:
         return f"{n_inputs} input(s) and attributes {sorted(attrs)} do not fit the op ({e})"
     return None
@@ -257,6 +258,14 @@ def _op(name, path="<graph>"):
     if op is None:
         raise ValueError(f"symbol_file: {path!r} uses unknown op {name!r}")
     return op
+
+
+def _one_element(a, shape):
+    """A one-element tensor stored with another one-element shape (files written before 0-d
+    tensors were kept 0-d stored scalars as [1]) reshaped to ``shape``; others unchanged."""
+    if a.size == 1 and int(np.prod(shape)) == 1 and list(a.shape) != list(shape):
+        return a.reshape(tuple(shape))
+    return a
 
 
 def _copy(x):
@@ -327,6 +336,7 @@ class SymbolBlock(_get_block_base()):
             a = tensors.get(pd["name"])
             if a is None:
                 raise ValueError(f"param_file: {param_file!r} lacks parameter {pd['name']!r}")
+            a = _one_element(a, pd["shape"])
             if list(a.shape) != list(pd["shape"]):
                 raise ValueError(f"param_file: parameter {pd['name']!r} has shape {list(a.shape)}, "
                                  f"the graph expects {pd['shape']}")
@@ -344,8 +354,8 @@ class SymbolBlock(_get_block_base()):
             raise ValueError(f"param_file: {param_file!r} lacks the constants of nodes {missing}")
         for n in doc["nodes"]:
             if n["kind"] == "const":
-                c = consts[n["id"]]
                 (shp, dt), = n["specs"]
+                c = consts[n["id"]] = _one_element(consts[n["id"]], shp)
                 if list(c.shape) != list(shp) or c.dtype != np.dtype(dt):
                     raise ValueError(f"param_file: constant of node {n['id']} is {c.dtype} "
                                      f"{list(c.shape)}, the graph expects {dt} {list(shp)}")

@@ -148,7 +148,7 @@ class Block:
             RuntimeError: a parameter is not initialized.
         """
         from safetensors.numpy import save_file
-        tensors = {name: np.ascontiguousarray(p.data().asnumpy())
+        tensors = {name: np.array(p.data().asnumpy(), order="C")        # 0-d stays 0-d
                    for name, p in self.collect_params().items()}
         _atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "hybridl"}))
 
@@ -189,6 +189,8 @@ class Block:
                 continue
             val = loaded[name]
             shp = p.shape       # may hold 0 for a dimension still to be inferred (deferred)
+            if shp is not None and shp == () and val.shape == (1,):
+                val = loaded[name] = val.reshape(())    # a 0-d parameter saved as [1] before
             if shp is not None and (len(shp) != val.ndim or
                                     any(a and a != b for a, b in zip(shp, val.shape))):
                 raise ValueError(f"load_parameters: parameter {name!r} has shape {p.shape} in the "

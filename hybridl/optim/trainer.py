@@ -250,7 +250,7 @@ class Trainer:
             key = f"{self._names[i]}@{d}"
             counts[key] = st["t"]
             for n, a in st["arrays"].items():
-                tensors[f"{key}/{n}"] = np.ascontiguousarray(a)
+                tensors[f"{key}/{n}"] = np.array(a, order="C")
         meta = {"format": "hybridl-trainer", "optimizer": type(self._optimizer).__name__,
                 "counts": json.dumps(counts), "num_update": str(self._optimizer.num_update),
                 "lr": repr(self._optimizer.lr)}
