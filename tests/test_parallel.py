@@ -488,14 +488,15 @@ def _dp_run(devs, grad_req="write", zero=True, steps=4, batch=1, data_devs=None)
 
 
 @pytest.mark.parametrize("case", ["batch_smaller_than_devices", "data_on_fewer_devices",
-                                  "add_without_zero_grad"])
+                                  "add_without_zero_grad", "add_idle_without_zero_grad"])
 def test_data_parallel_equals_one_device_when_devices_idle_or_gradients_accumulate(case):
     import warnings
     import hybridl as hl
     devs = [hl.cpu(0), hl.cpu(1), hl.cpu(2)]
     kw = {"batch_smaller_than_devices": dict(batch=2),
           "data_on_fewer_devices": dict(batch=2, data_devs=[hl.cpu(0)]),
-          "add_without_zero_grad": dict(batch=3, grad_req="add", zero=False)}[case]
+          "add_without_zero_grad": dict(batch=3, grad_req="add", zero=False),
+          "add_idle_without_zero_grad": dict(batch=2, grad_req="add", zero=False)}[case]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         one = _dp_run([hl.cpu(0)], **{k: v for k, v in kw.items() if k != "data_devs"})
@@ -520,7 +521,7 @@ def test_split_and_load_of_data_that_needs_a_gradient_passes_it_back():
     np.testing.assert_array_equal(grads[1], grads[0])
 
 
-@pytest.mark.parametrize("kvstore", ["device", None])
+@pytest.mark.parametrize("kvstore", ["device", None, "instance"])
 @pytest.mark.parametrize("target", ["both", "other"])
 def test_reset_device_during_training_replans_and_moves_optimizer_state(kvstore, target):
     rng = np.random.RandomState(0)
@@ -534,7 +535,7 @@ def test_reset_device_during_training_replans_and_moves_optimizer_state(kvstore,
         net = hl.models.mlp(hidden=(32, 16))
         net.initialize(hl.init.Xavier(), device=hl.cpu(0))
         tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
-                        kvstore=kvstore)
+                        kvstore=hl.kv.create("device") if kvstore == "instance" else kvstore)
         for s in range(3):
             if s == 1 and reset_to is not None:
                 net.collect_params().reset_device(reset_to)

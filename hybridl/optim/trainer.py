@@ -122,11 +122,14 @@ class Trainer:
                 fresh = [getattr(g, "_fresh", True) for g in grads]
                 if any(fresh) and not all(fresh):
                     # a copy no backward wrote this step (its device got no data: a batch
-                    # smaller than the number of devices) adds nothing to the sum, not the
-                    # previous step's gradient; it takes the same step as the others
+                    # smaller than the number of devices) adds nothing new to the sum: with
+                    # 'write' its buffer holds the previous step's gradient and is zeroed; with
+                    # 'add' it holds what it accumulated, which belongs to the sum. Either way
+                    # it takes the same step as the others
                     for g, f in zip(grads, fresh):
                         if not f:
-                            g[:] = 0
+                            if p.grad_req != "add":
+                                g[:] = 0
                             g._fresh = True
                 if p.grad_req == "add":
                     # accumulating buffers keep their own sums: reduced into separate arrays
@@ -160,9 +163,12 @@ class Trainer:
             for d in old:
                 if d not in p.list_device():
                     self._states.pop((i, d), None)
-        self._kv = None
         self.__dict__.pop("_rbufs", None)
-        self._init_kvstore()
+        if self._kv_spec is None or isinstance(self._kv_spec, str):
+            self._kv = None                 # a store of the same kind, for the new devices
+            self._init_kvstore()
+        else:                               # the user's store object: its keys stay; it sums
+            self._kv_devices = [tuple(p.list_device()) for p in self._params]   # any copies
 
     def _reduce_bufs(self, i, grads):
         bufs = self.__dict__.setdefault("_rbufs", {})
