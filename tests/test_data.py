@@ -470,3 +470,17 @@ def test_normalize_and_tofloat_refuse_values_that_give_nan_or_inf():
     for bad in (float("nan"), "x"):
         with pytest.raises(ValueError, match="ToFloat: scale"):
             ToFloat(bad)
+
+
+def test_subclass_of_a_batchable_transform_that_redefines_call_is_per_sample():
+    from hybridl.data.transforms import ToFloat
+
+    class PerImageCentre(ToFloat):
+        def __call__(self, x):
+            x = super().__call__(x)
+            return x - x.mean()
+    assert ToFloat.batchable and not PerImageCentre.batchable
+    imgs = np.array([[10.0] * 4, [200.0] * 4], np.float32)
+    (b, _), = list(DataLoader(ArrayDataset(imgs, np.arange(2)).transform_first(
+        PerImageCentre(1.0)), batch_size=2))
+    np.testing.assert_array_equal(b.asnumpy(), np.zeros((2, 4)))

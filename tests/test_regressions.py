@@ -588,7 +588,21 @@ def test_jit_static_arguments_keyed_by_type_and_clear_errors():
     with pytest.raises(TypeError, match="argument 1 must be an NDArray, got int; static arguments"):
         f(x, 3)
     with pytest.raises(TypeError, match=r"static argument\(s\) \['n'\] must be hashable"):
-        f(x, n=[1, 2])
+        f(x, n={1, 2})
+
+    @hl.jit(static_argnames=("c",))
+    def g(x, c):
+        return x * c[0]
+    y = nd.ones((2,))
+    assert not np.signbit(g(y, c=(0.0,)).asnumpy()).any()
+    assert np.signbit(g(y, c=(-0.0,)).asnumpy()).all()          # -0.0 == 0.0: its own program
+
+    @hl.jit(static_argnames=("c",))
+    def h(x, c):
+        return x * c[0]
+    xi = nd.array(np.array([3], np.int32))
+    assert h(xi, c=[2]).dtype == np.int32
+    assert h(xi, c=[2.0]).dtype == np.float32        # [2.0] == [2]: its own program
 
 
 def test_compile_and_program_calls_refuse_what_they_cannot_run_faithfully():

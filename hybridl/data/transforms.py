@@ -28,6 +28,13 @@ class Transform:
 
     batchable = False
 
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        # a subclass that redefines __call__ without saying batchable=True itself makes no
+        # promise about batches, even when it extends a batchable transform (ToFloat)
+        if "__call__" in cls.__dict__ and "batchable" not in cls.__dict__:
+            cls.batchable = False
+
     def __call__(self, x):  # pragma: no cover - abstract
         raise NotImplementedError
 

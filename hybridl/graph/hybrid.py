@@ -325,7 +325,7 @@ class _JitFunction:
                                 f"NDArray, got {type(a).__name__}{hint}")
         # the value's type is part of the key: 2, 2.0 and True are equal (and hash alike) in
         # Python but may trace different programs (integer vs float arithmetic)
-        items = tuple(sorted((k, type(v).__name__, v) for k, v in static.items()))
+        items = tuple(sorted((k, _static_key(v)) for k, v in static.items()))
         try:
             hash(items)
         except TypeError:
@@ -361,6 +361,19 @@ class _JitFunction:
             return None
         entry.fwd.backward = entry.bwd
         return entry.fwd
+
+
+def _static_key(v):
+    """A cache key for a static argument that tells apart values Python calls equal but that
+    may trace different programs: 2, 2.0 and True (by type), 0.0 and -0.0 (by repr), and the
+    same inside tuples, lists and dicts."""
+    if isinstance(v, (tuple, list)):
+        return (type(v).__name__, tuple(_static_key(x) for x in v))
+    if isinstance(v, dict):
+        return ("dict", tuple(sorted((repr(k), _static_key(x)) for k, x in v.items())))
+    if isinstance(v, float):
+        return ("float", repr(v))
+    return (type(v).__name__, v)
 
 
 def _hashable(v):
