@@ -96,6 +96,37 @@ class Node:
 
 
 
+_UNRECORDED = []     # [Op] once made (autograd is imported before the op registry)
+
+
+def _unrecorded_op():
+    if not _UNRECORDED:
+        from .ops.registry import Op
+
+        def grad(c, *gs):
+            raise RuntimeError(
+                "backward: the gradient reached an array that was assigned a recorded value "
+                "inside autograd.record() (y[...] = x): such an assignment is not recorded, so "
+                "the gradient cannot pass through it; build the array with ops (hl.nd.concat, "
+                "hl.nd.where, ...) instead")
+        op = Op("assignment_inside_record", lambda: None, lambda: [], grad)
+        op.grad_reads = (frozenset(), frozenset())
+        _UNRECORDED.append(op)
+    return _UNRECORDED[0]
+
+
+def mark_unrecorded(a):
+    """``a`` was assigned a recorded value inside ``record()`` (not itself recorded): a
+    backward whose gradient reaches ``a`` raises; using ``a`` for anything else (logging a
+    loss into a buffer) is fine."""
+    a._ag = (Node(_unrecorded_op(), (), [a], {}), 0)
+
+
+def is_unrecorded(a):
+    """Whether ``a`` was marked by :func:`mark_unrecorded`."""
+    return a._ag is not None and _UNRECORDED and a._ag[0].op is _UNRECORDED[0]
+
+
 def _value_free(op):
     n = op.name
     return n in _VALUE_FREE or (n.startswith("split") and n[5:].isdigit())

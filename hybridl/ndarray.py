@@ -248,13 +248,21 @@ class NDArray:
         return M.slice_(self, key)
 
     def __setitem__(self, key, value):
-        if _ag.is_recording() and (_tracked(self) or (isinstance(value, NDArray) and _tracked(value))):
-            # a tracked value written into an array is not recorded: the gradient would
-            # silently miss that path (PyTorch records it; here it is refused, as x += v is)
-            raise RuntimeError("in-place assignment inside autograd.record() would not be recorded "
-                               "(or would corrupt the gradient); build the result with ops "
-                               "(hl.nd.concat, hl.nd.where, ...) or assign outside "
-                               "autograd.record()")
+        unrecorded = False
+        if _ag.is_recording():
+            if _tracked(self) and not _ag.is_unrecorded(self):
+                raise RuntimeError("in-place assignment to an array recorded by autograd would "
+                                   "corrupt the gradient; assign outside autograd.record() or "
+                                   "use a new array")
+            # a recorded value written into an array is not recorded: the array is marked, so
+            # that a backward whose gradient would have to pass through it raises (instead of
+            # silently missing that path); logging a loss into a buffer stays fine
+            unrecorded = isinstance(value, NDArray) and _tracked(value)
+        self._setitem(key, value)
+        if unrecorded:
+            _ag.mark_unrecorded(self)
+
+    def _setitem(self, key, value):
         ek = M.encode_key(key)
         sl = M._slice_infer(self, ek)[0][0]
         if isinstance(value, NDArray):

@@ -664,19 +664,30 @@ def test_backward_refuses_values_changed_after_recording_that_its_gradient_reads
     assert np.abs(grads[0]).max() > 1e-3
 
 
-def test_writing_a_tracked_value_into_an_array_inside_record_is_refused():
+def test_a_recorded_value_written_into_an_array_inside_record_never_loses_a_gradient():
     x = nd.array(np.array([1.0, 2.0, 3.0]))
     x.attach_grad()
     y = nd.zeros((3,))
     with ag.record():
-        with pytest.raises(RuntimeError, match="in-place assignment inside autograd.record"):
-            y[0:2] = x[0:2] * 3
+        y[0:2] = x[0:2] * 3                      # not recorded: y is marked
+        z = (y * y).sum() + x.sum()
+    with pytest.raises(RuntimeError, match="assigned a recorded value inside autograd.record"):
+        z.backward()                             # the gradient would have to pass through y
+    with ag.record():
         y2 = nd.concat(x[0:2] * 3, nd.zeros((1,)), axis=0)    # the recorded way
         z = (y2 * y2).sum() + x.sum()
     z.backward()
     np.testing.assert_allclose(x.grad.asnumpy(), [19.0, 37.0, 1.0])
+    log = nd.zeros((2,))                         # logging losses into a buffer stays fine
+    for i in range(2):
+        with ag.record():
+            loss = (x * x).sum()
+            log[i] = loss
+        loss.backward()
+    np.testing.assert_array_equal(log.asnumpy(), [14.0, 14.0])
+    np.testing.assert_array_equal(x.grad.asnumpy(), [2.0, 4.0, 6.0])
     with ag.record():
-        y[0:2] = nd.array(np.array([5.0, 6.0]))                 # untracked values: allowed
+        y[0:2] = nd.array(np.array([5.0, 6.0]))  # untracked values: plain assignment
     np.testing.assert_array_equal(y.asnumpy(), [5.0, 6.0, 0.0])
 
 
