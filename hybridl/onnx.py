@@ -38,8 +38,8 @@ def _onnx():
     try:
         import onnx
     except ImportError:  # pragma: no cover - depends on the environment
-        raise ImportError("hl.onnx needs the 'onnx' package: pip install 'hybridl[onnx]' "
-                          "(or pip install onnx)") from None
+        raise ImportError("hl.onnx needs the 'onnx' package: pip install -e \".[onnx]\" in a "
+                          "source checkout (or pip install onnx onnxruntime)") from None
     return onnx
 
 

@@ -321,6 +321,13 @@ def main_train(argv=None):
         return 2
 
 
+def _overall_rate(hist):
+    """Samples per second over the whole training: every epoch's samples / the total time
+    (not the mean of the per-epoch rates, which a fast short epoch would inflate)."""
+    secs = sum(h["seconds"] for h in hist)
+    return sum(h["samples_per_s"] * h["seconds"] for h in hist) / secs if secs > 0 else 0.0
+
+
 def _probe_write(path, option):
     """Create and remove a temporary file beside ``path``: a directory the process cannot
     write into (permissions, /proc, a read-only mount) is an error before any work is done."""
@@ -414,7 +421,7 @@ def _train(args):
         print(f"done: {args.model}/{args.dataset} test accuracy {last['test_acc']:.4f} after "
               f"{args.epochs} epoch(s) in {total:.1f} s "
               f"(training {sum(h['seconds'] for h in hist):.1f} s at "
-              f"{np.mean([h['samples_per_s'] for h in hist]):.0f} samples/s"
+              f"{_overall_rate(hist):.0f} samples/s"
               + (f" over {nproc} processes" if nproc > 1 else "") + "; the rest is evaluation)"
               + (f", parameters saved to {args.save}" if args.save and rank0 else ""), flush=True)
     return 0
@@ -442,13 +449,6 @@ def main_export(argv=None):
                         "the exported model accepts exactly this batch size")
     p.add_argument("--onnx", default=None, metavar="PATH", help="also write an ONNX model")
     args = p.parse_args(argv)
-    if args.onnx:
-        try:
-            import onnx  # noqa: F401 - checked before anything is written
-        except ImportError:
-            print("hybridl export: error: --onnx needs the onnx package: pip install -e \".[onnx]\"",
-                  file=sys.stderr)
-            return 2
     from ._io import _check_target
     try:                    # every output path checked before anything is written
         if not args.out or args.out.endswith(("/", os.sep)):
@@ -460,6 +460,13 @@ def main_export(argv=None):
     except (ValueError, OSError) as e:
         print(f"hybridl export: error: {e}", file=sys.stderr)
         return 2
+    if args.onnx:
+        try:
+            import onnx  # noqa: F401 - checked before anything is written
+        except ImportError:
+            print("hybridl export: error: --onnx needs the onnx package: pip install -e \".[onnx]\"",
+                  file=sys.stderr)
+            return 2
     if args.params and os.path.abspath(args.out + ".safetensors") == os.path.abspath(args.params):
         print(f"hybridl export: error: --out {args.out} would write {args.out}.safetensors over "
               f"the --params file it reads; choose another prefix, e.g. --out {args.out}-graph",

@@ -120,7 +120,7 @@ def init():
             except ImportError:
                 raise ImportError(
                     "hybridl.distributed: this process was started by an MPI launcher but mpi4py "
-                    "is not installed; pip install 'hybridl[mpi]' (mpi4py + the mpich wheel), or "
+                    "is not installed; pip install -e '.[mpi]' (mpi4py + the mpich wheel), or "
                     "on a cluster `pip install mpi4py` built against the site's MPI") from None
             mpi4py.rc.thread_level = "multiple"
             from mpi4py import MPI
@@ -175,6 +175,9 @@ def _abort(msg, code=70):
     sys.stderr.write(f"hybridl.distributed: rank {st.rank}/{st.size}: {msg}; aborting the job "
                      f"(MPI_Abort)\n")
     sys.stderr.flush()
+    # give the launcher's I/O forwarding a moment: MPI_Abort tears the job down at once, and
+    # the message was sometimes lost on its way to mpiexec's stderr (1 run in 4 under load)
+    time.sleep(0.5)
     try:
         st.mpi.COMM_WORLD.Abort(code)
     finally:                        # Abort does not return; if it did, end this process anyway

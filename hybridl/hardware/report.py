@@ -399,7 +399,7 @@ def main(argv=None) -> int:
             try:
                 import matplotlib  # noqa: F401
             except ImportError:
-                raise _UsageError("--plot needs matplotlib: pip install 'hybridl[plot]'")
+                raise _UsageError("--plot needs matplotlib: pip install -e \".[plot]\" (source checkout)")
     except _UsageError as e:
         print(f"hybridl hw: error: {e}\n{parser.format_usage().strip()}", file=sys.stderr)
         return 2

@@ -194,7 +194,8 @@ def plot_roofline(roof: Roofline, points=(), path: str = "roofline.png", title=N
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise ImportError("plot_roofline needs matplotlib: pip install 'hybridl[plot]'") from e
+        raise ImportError("plot_roofline needs matplotlib: pip install -e \".[plot]\" "
+                          "(source checkout)") from e
     pts = []
     for p in points:
         if "intensity" in p and "gflops" in p:

@@ -168,8 +168,9 @@ def train_multi_device(args, net, train_loader, test_loader, devices, opt_params
         else:
             params_owner.save_parameters(args.save)
             saved = f", parameters saved to {args.save}"
+    from ..train_cli import _overall_rate
     print(f"done: {args.model}/{args.dataset} test accuracy {last['test_acc']:.4f} after "
           f"{args.epochs} epoch(s) in {total:.1f} s "
-          f"({np.mean([h['samples_per_s'] for h in hist]):.0f} samples/s) on {k} devices "
+          f"({_overall_rate(hist):.0f} samples/s) on {k} devices "
           f"({strategy})" + saved, flush=True)
     return 0
