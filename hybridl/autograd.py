@@ -95,7 +95,6 @@ class Node:
         self.out_versions = tuple(getattr(o, "_version", 0) for o in outputs)
 
 
-
 _UNRECORDED = []     # [Op] once made (autograd is imported before the op registry)
 
 

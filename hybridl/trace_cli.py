@@ -12,7 +12,6 @@ default), each step is one compiled :class:`hybridl.TrainStep` op, as in ``hybri
 """
 import argparse
 import itertools
-import os
 import sys
 import time
 
@@ -21,7 +20,8 @@ __all__ = ["main", "build_parser"]
 
 def build_parser():
     """``hybridl train``'s parser plus ``--steps``, ``--warmup``, ``--out``, ``--sort``, ``--limit``."""
-    from .train_cli import _positive_int, build_parser as train_parser
+    from .train_cli import _positive_int
+    from .train_cli import build_parser as train_parser
     p = train_parser(prog="hybridl trace")
     p.description = ("Record training steps with the profiler: write a Chrome trace (Perfetto) "
                      "and print the per-op table.")
@@ -57,7 +57,8 @@ def main(argv=None):
 
 
 def _trace(args):
-    from . import autograd, data, engine, loss as L, optim, profiler
+    from . import autograd, data, engine, optim, profiler
+    from . import loss as L
     from .train_cli import _load_data, _model, _setup
     if args.distributed:
         raise ValueError("--distributed: tracing runs one process; trace without it")
@@ -65,7 +66,7 @@ def _trace(args):
     if len(devices) > 1:
         raise ValueError(f"--devices: tracing records one device, got {len(devices)}; "
                          f"pass --device cpu:0")
-    from ._io import _check_target                # fail before training, not after
+    from ._io import _check_target  # fail before training, not after
     from .train_cli import _probe_write
     try:
         _check_target(args.out)

@@ -5,10 +5,15 @@ import pytest
 
 import hybridl as hl
 from hybridl import autograd, nn
-from hybridl.parallel import (ChannelParallelConv2D, ColumnParallelDense, Pipeline,
-                              RowParallelDense, split_and_load, transfer)
+from hybridl.parallel import (
+    ChannelParallelConv2D,
+    ColumnParallelDense,
+    Pipeline,
+    RowParallelDense,
+    split_and_load,
+    transfer,
+)
 from hybridl.parallel.pipeline import bubble_theory, schedule, split_stages
-
 
 threaded_only = pytest.mark.skipif(
     hl.engine.get_engine().name == "naive",
@@ -491,6 +496,7 @@ def _dp_run(devs, grad_req="write", zero=True, steps=4, batch=1, data_devs=None)
                                   "add_without_zero_grad", "add_idle_without_zero_grad"])
 def test_data_parallel_equals_one_device_when_devices_idle_or_gradients_accumulate(case):
     import warnings
+
     import hybridl as hl
     devs = [hl.cpu(0), hl.cpu(1), hl.cpu(2)]
     kw = {"batch_smaller_than_devices": dict(batch=2),

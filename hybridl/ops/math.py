@@ -602,7 +602,7 @@ def _g_maxred(c, g):
 
 
 def _g_prod(c, g):
-    x, y = c.inputs[0], c.outputs[0]
+    x = c.inputs[0]
     ax, kd = c.attrs["axis"], c.attrs["keepdims"]
     g = _expand_back(g, x.shape, ax, kd)
     # d prod / d x_i = product of the other elements: prod / x_i without zeros; with one zero,

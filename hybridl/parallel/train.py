@@ -21,8 +21,6 @@ Strategies (all print the same per-epoch lines as single-device training, throug
 import sys
 import time
 
-import numpy as np
-
 __all__ = ["train_multi_device", "to_tensor_parallel", "sequential_layers"]
 
 
