@@ -44,8 +44,12 @@ def _positive_float(s):
 
 def _device_list(s):
     from .device import Device
+    parts = [x.strip() for x in s.split(",")]
+    if not s.strip() or any(not x for x in parts):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of devices such as "
+                                         f"cpu:0,cpu:1, got {s!r}")
     try:
-        return [Device.parse(x) for x in s.split(",") if x.strip()]
+        return [Device.parse(x) for x in parts]
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -290,6 +294,11 @@ def main_train(argv=None):
     """Entry point of ``hybridl train``; returns the exit code."""
     args = build_parser().parse_args(argv)
     devs = args.devices or []
+    from .device import cpu
+    if devs and args.device != [cpu(0)]:
+        print(f"hybridl train: error: give either --device ({','.join(map(str, args.device))}) "
+              f"or --devices ({','.join(map(str, devs))}), not both", file=sys.stderr)
+        return 2
     if len(set(devs)) != len(devs):
         print(f"hybridl train: error: --devices lists a device twice: {','.join(map(str, devs))}",
               file=sys.stderr)

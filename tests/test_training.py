@@ -157,6 +157,9 @@ BAD_OPTIONS = [
     (("--save", "/"), "expected a file name"),
     (("--save", "/proc/p.safetensors"), "cannot write files into '/proc'"),
     (("--devices", "cpu:0,cpu:1", "--batch-size", "2000"), "larger than the 1438 training samples"),
+    (("--devices", ""), "comma-separated list of devices"),
+    (("--devices", "cpu:0,,cpu:1"), "comma-separated list of devices"),
+    (("--device", "cpu:1", "--devices", "cpu:0,cpu:1"), "either --device"),
 ]
 
 
