@@ -343,3 +343,13 @@ def test_a_file_verified_by_one_dataset_class_is_verified_again_by_another(tmp_p
     os.utime(p, ns=(1, 1))
     FashionMNIST(root=str(root), train=False)
     assert sum(1 for k in vision._CACHE if isinstance(k, tuple) and k[0] == p) == 1
+
+
+def test_split_and_root_arguments_are_checked(tmp_path):
+    for bad in ("test", "False", 1):
+        with pytest.raises(TypeError, match="train must be True"):
+            Digits(train=bad)
+    f = tmp_path / "afile"
+    f.write_text("x")
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        MNIST(root=str(f))

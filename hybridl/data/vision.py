@@ -126,6 +126,7 @@ class Digits(ArrayDataset):
     classes = tuple(str(i) for i in range(10))
 
     def __init__(self, train=True):
+        _check_train(train, "Digits")
         images, labels, tr, te = _digits_split()
         idx = tr if train else te
         self.train = bool(train)
@@ -224,6 +225,13 @@ class _Resource:
         return arr
 
 
+def _check_train(train, name):
+    """``train`` must be a bool (a string such as 'test' would silently mean the train split)."""
+    if not isinstance(train, (bool, np.bool_)):
+        raise TypeError(f"{name}: train must be True (training split) or False (test split), "
+                        f"got {train!r}")
+
+
 def _default_root(name):
     base = os.environ.get("HYBRIDL_DATA")
     if base:
@@ -240,6 +248,12 @@ class _IDXImageDataset(ArrayDataset):
     classes = ()
 
     def __init__(self, root=None, train=True, download=False, mirrors=None, timeout=30.0):
+        _check_train(train, type(self).__name__)
+        if root is not None and not isinstance(root, (str, os.PathLike)):
+            raise TypeError(f"{type(self).__name__}: root must be a path, got {type(root).__name__}")
+        if root is not None and os.path.exists(root) and not os.path.isdir(root):
+            raise NotADirectoryError(f"{type(self).__name__}: root {root!r} is a file, expected "
+                                     f"the folder holding the IDX files")
         self.root = os.path.abspath(os.path.expanduser(root)) if root else _default_root(self.name)
         self.train = bool(train)
         if mirrors is None:
