@@ -75,14 +75,6 @@ def is_training():
     return _state.training
 
 
-# ops whose gradient rule reads no input or output value (only shapes, attributes and the
-# incoming gradient): a write to one of their inputs between recording and backward changes
-# no gradient, so only inputs that need gradients are checked for them
-_VALUE_FREE = frozenset({"add", "subtract", "negative", "reshape", "transpose", "broadcast_to",
-                         "sum", "mean", "sum_to", "identity", "stop_gradient", "slice",
-                         "slice_grad", "concat", "cast", "zeros_like", "ones_like"})
-
-
 class Node:
     __slots__ = ("op", "inputs", "outputs", "attrs", "freed", "versions", "out_versions")
 
@@ -100,7 +92,7 @@ _UNRECORDED = []     # [Op] once made (autograd is imported before the op regist
 
 def _unrecorded_op():
     if not _UNRECORDED:
-        from .ops.registry import Op
+        from .ops.registry import NO_VALUES, Op
 
         def grad(c, *gs):
             raise RuntimeError(
@@ -109,45 +101,41 @@ def _unrecorded_op():
                 "the gradient cannot pass through it; build the array with ops (hl.nd.concat, "
                 "hl.nd.where, ...) instead")
         op = Op("assignment_inside_record", lambda: None, lambda: [], grad)
-        op.grad_reads = (frozenset(), frozenset())
+        op.grad_reads = NO_VALUES
         _UNRECORDED.append(op)
     return _UNRECORDED[0]
 
 
-def mark_unrecorded(a):
+def _mark_unrecorded(a):
     """``a`` was assigned a recorded value inside ``record()`` (not itself recorded): a
     backward whose gradient reaches ``a`` raises; using ``a`` for anything else (logging a
     loss into a buffer) is fine."""
     a._ag = (Node(_unrecorded_op(), (), [a], {}), 0)
 
 
-def is_unrecorded(a):
-    """Whether ``a`` was marked by :func:`mark_unrecorded`."""
+def _is_unrecorded(a):
+    """Whether ``a`` was marked by :func:`_mark_unrecorded`."""
     return a._ag is not None and _UNRECORDED and a._ag[0].op is _UNRECORDED[0]
 
 
-def _value_free(op):
-    n = op.name
-    return n in _VALUE_FREE or (n.startswith("split") and n[5:].isdigit())
+def _tracked(a):
+    """Whether ``a`` takes part in autograd: recorded by an op, or a variable."""
+    return a._ag is not None or a._grad_req != "null"
 
 
 def _check_versions(node):
-    """RuntimeError when an array the gradient of ``node`` reads was written after recording
-    (every input that needs a gradient; and the inputs and outputs its gradient rule reads:
-    those the op lists in ``grad_reads`` (a compiled program: its backward's residuals), else
-    all of them unless the rule reads no values (``_VALUE_FREE``): a data batch refilled in
-    place, an output overwritten)."""
+    """RuntimeError when an array the gradient of ``node`` reads was written after recording:
+    every input that needs a gradient, and the inputs and outputs its gradient rule reads, as
+    the op declares them in ``grad_reads`` (None: any of them; a compiled program lists its
+    backward's residuals; ``NO_VALUES`` for rules that read no value) -- a data batch refilled
+    in place, an output overwritten."""
     reads = node.op.grad_reads
-    free = reads is None and _value_free(node.op)
     for i, (x, v) in enumerate(zip(node.inputs, node.versions)):
-        if getattr(x, "_version", v) != v and (
-                x._ag is not None or x._grad_req != "null"
-                or (i in reads[0] if reads is not None else not free)):
+        if getattr(x, "_version", v) != v and (_tracked(x) or reads is None or i in reads[0]):
             _modified(node, "an input", x, v)
-    if not free:
-        for j, (o, v) in enumerate(zip(node.outputs, node.out_versions)):
-            if getattr(o, "_version", v) != v and (reads is None or j in reads[1]):
-                _modified(node, "the result", o, v)
+    for j, (o, v) in enumerate(zip(node.outputs, node.out_versions)):
+        if getattr(o, "_version", v) != v and (reads is None or j in reads[1]):
+            _modified(node, "the result", o, v)
 
 
 def _modified(node, what, x, v):
@@ -312,10 +300,6 @@ def _run_backward(heads, head_grads, retain_graph, create_graph, wanted=None):
         else:
             nd.assign_many(pairs, priority=1)
     return None
-
-
-def _tracked(a):
-    return a._ag is not None or a._grad_req != "null"
 
 
 def backward(heads, head_grads=None, retain_graph=False):

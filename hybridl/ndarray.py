@@ -250,7 +250,7 @@ class NDArray:
     def __setitem__(self, key, value):
         unrecorded = False
         if _ag.is_recording():
-            if _tracked(self) and not _ag.is_unrecorded(self):
+            if _tracked(self) and not _ag._is_unrecorded(self):
                 raise RuntimeError("in-place assignment to an array recorded by autograd would "
                                    "corrupt the gradient; assign outside autograd.record() or "
                                    "use a new array")
@@ -260,7 +260,7 @@ class NDArray:
             unrecorded = isinstance(value, NDArray) and _tracked(value)
         self._setitem(key, value)
         if unrecorded:
-            _ag.mark_unrecorded(self)
+            _ag._mark_unrecorded(self)
 
     def _setitem(self, key, value):
         ek = M.encode_key(key)
@@ -549,8 +549,7 @@ def assign_many(pairs, priority=0):
                                       dsts[0].device, priority, f"assign[{len(pairs)}]", None, True)
 
 
-def _tracked(x):
-    return x._ag is not None or x._grad_req != "null"
+_tracked = _ag._tracked
 
 
 def _const(value, device):

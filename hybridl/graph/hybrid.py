@@ -316,24 +316,24 @@ class _JitFunction:
         if kwargs:
             raise TypeError(f"{self._fn.__name__}: keyword arguments {sorted(kwargs)} are not "
                             f"static_argnames {self._static}; pass arrays positionally")
-        for i, a in enumerate(args):
-            if not isinstance(a, NDArray):
-                hint = (f"; static arguments {list(self._static)} must be passed by keyword"
-                        if self._static else "; Python values that select the program go in "
-                        "static_argnames and are passed by keyword")
-                raise TypeError(f"{self._fn.__name__}: positional argument {i} must be an "
-                                f"NDArray, got {type(a).__name__}{hint}")
+        try:
+            sig = _signature(args)
+        except TypeError:                   # says which argument, and where Python values go
+            i, a = next((i, a) for i, a in enumerate(args) if not isinstance(a, NDArray))
+            hint = (f"; static arguments {list(self._static)} must be passed by keyword"
+                    if self._static else "; Python values that select the program go in "
+                    "static_argnames and are passed by keyword")
+            raise TypeError(f"{self._fn.__name__}: positional argument {i} must be an "
+                            f"NDArray, got {type(a).__name__}{hint}") from None
         # the value's type is part of the key: 2, 2.0 and True are equal (and hash alike) in
         # Python but may trace different programs (integer vs float arithmetic)
-        items = tuple(sorted((k, _static_key(v)) for k, v in static.items()))
+        sig = (sig, tuple(sorted((k, _static_key(v)) for k, v in static.items())))
         try:
-            hash(items)
-        except TypeError:
-            bad = [k for k, v in static.items() if not _hashable(v)]
+            entry = self._cache.entries.get(sig)
+        except TypeError:                   # an unhashable static value
+            bad = [k for k, v in static.items() if not _hashable(_static_key(v))]
             raise TypeError(f"{self._fn.__name__}: static argument(s) {bad} must be hashable "
                             f"(a number, string, tuple, ...): one program is kept per value") from None
-        sig = (_signature(args), items)
-        entry = self._cache.entries.get(sig)
         if entry is None:
             known = list(self._cache.entries)
             same = [k[0] for k in known if k[1] == sig[1]]

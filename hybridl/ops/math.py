@@ -15,7 +15,7 @@ from ._util import (BOOL, F32, I64, as_dtype, broadcast_shape, norm_axes, norm_a
 from .. import autograd as _ag
 from . import _blas
 from .dispatch import _BASE, apply
-from .registry import register
+from .registry import NO_VALUES, register
 
 # ============================================================================ elementwise binary
 
@@ -1449,6 +1449,7 @@ def _split_op(k):
         op = _SPLIT_OPS[k] = register(f"split{k}" if k > 1 else "split", _split_kernel if k > 1 else
                                       (lambda x, bounds, axis: _split_kernel(x, bounds, axis)[0]),
                                       _split_infer, _g_split, n_out=k)
+        op.grad_reads = NO_VALUES
     return op
 
 
@@ -1468,3 +1469,4 @@ def stop_gradient(x):
 
 STOP_GRADIENT = register("stop_gradient", lambda x: x, _same, lambda c, g: (None,),
                          cost=lambda i, o, s, **a: (0.0, 0.0))
+

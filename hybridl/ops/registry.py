@@ -27,6 +27,11 @@ __all__ = ["Op", "register", "OPS", "GradCtx"]
 OPS = {}
 
 
+# ``Op.grad_reads`` of an op whose gradient reads no input or output value (only shapes,
+# attributes and the incoming gradient): writes to its arrays after recording change nothing
+NO_VALUES = (frozenset(), frozenset())
+
+
 class Op:
     __slots__ = ("name", "kernel", "infer", "grad", "cost", "n_out", "ew", "differentiable",
                  "random", "out_ok", "priority", "emit", "fresh", "__weakref__", "grad_reads")

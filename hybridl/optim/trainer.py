@@ -59,6 +59,9 @@ class Trainer:
         self._kv_spec = kvstore
         self._kv = None
         self._kv_ready = False
+        self._kv_devices = []
+        self._reduced = {}          # (param index, device) -> reduced gradient ('add' params)
+        self._rbufs = {}            # param index -> buffers those are reduced into
         if _is_dist(kvstore) and all(p._data is not None for p in self._params):
             self._init_kvstore()    # broadcast rank 0's parameters before the first forward
 
@@ -110,10 +113,10 @@ class Trainer:
             self._init_kvstore()
         elif [tuple(p.list_device()) for p in self._params] != self._kv_devices:
             self._devices_changed()
+        self._reduced = {}
         if self._kv is None:
             return
         n = len(self._params)
-        self._reduced = {}
         for i in reversed(range(n)):          # last layers first, at the highest priority: their
             # gradients are ready first, while backward of earlier layers is still running
             p = self._params[i]
@@ -159,11 +162,11 @@ class Trainer:
                 st = self._state((i, d), w)
                 _engine.wait_for(src["var"])        # its pending update first
                 st["t"] = src["t"]
-                st["arrays"] = _copy_state(src["arrays"], d)
+                st["arrays"] = {k: np.array(v, copy=True) for k, v in src["arrays"].items()}
             for d in old:
                 if d not in p.list_device():
                     self._states.pop((i, d), None)
-        self.__dict__.pop("_rbufs", None)
+        self._rbufs = {}
         if self._kv_spec is None or isinstance(self._kv_spec, str):
             self._kv = None                 # a store of the same kind, for the new devices
             self._init_kvstore()
@@ -171,7 +174,7 @@ class Trainer:
             self._kv_devices = [tuple(p.list_device()) for p in self._params]   # any copies
 
     def _reduce_bufs(self, i, grads):
-        bufs = self.__dict__.setdefault("_rbufs", {})
+        bufs = self._rbufs
         got = bufs.get(i)
         if got is None or [b.shape for b in got] != [g.shape for g in grads] or \
                 [b.device for b in got] != [g.device for g in grads]:
@@ -211,7 +214,7 @@ class Trainer:
         opt.num_update += 1
         by_device = {}
         stale = []
-        reduced = self.__dict__.get("_reduced") or {}
+        reduced = self._reduced
         for i, p in enumerate(self._params):
             for d, w in zip(p.list_device(), p.list_data()):
                 g = w.grad
@@ -306,8 +309,3 @@ def _is_dist(spec):
 
 _ = ParameterDict
 
-
-def _copy_state(arrays, device):
-    """An optimizer state (a dict name -> NumPy array, see Optimizer.create_state) copied for
-    another device copy of the weight (host memory: every logical device is the CPU)."""
-    return {k: np.array(v, copy=True) for k, v in arrays.items()}

@@ -168,11 +168,6 @@ def transfer(x, device):
 # ============================================================================ data parallel
 
 
-def _is_training():
-    from .. import autograd
-    return autograd.is_training()
-
-
 class DataParallel:
     """Data parallelism as a Block-like wrapper: ``DataParallel(net, devices)(x)`` splits ``x``
     over ``devices`` (:func:`split_and_load`, ``even_split=False``), runs ``net`` on each slice
@@ -206,7 +201,8 @@ class DataParallel:
     def __call__(self, x):
         from ..ops.math import concat
         k = min(len(self.devices), x.shape[0])
-        if k < len(self.devices) and _is_training() and self._has_sync_bn():
+        from .. import autograd
+        if k < len(self.devices) and autograd.is_training() and self._has_sync_bn():
             raise ValueError(f"DataParallel: a batch of {x.shape[0]} sample(s) over "
                              f"{len(self.devices)} devices leaves a device without data, and "
                              f"the network's SyncBatchNorm waits for every device; use a batch "
@@ -221,16 +217,12 @@ class DataParallel:
     forward = __call__
 
     def _has_sync_bn(self):
-        has = self.__dict__.get("_sync_bn")
-        if has is None:
+        if self.__dict__.get("_sync_bn") is None:
             from .sync_bn import SyncBatchNorm
-            stack, has = [self.net], False
-            while stack and not has:
-                b = stack.pop()
-                has = isinstance(b, SyncBatchNorm)
-                stack.extend(getattr(b, "_children", {}).values())
-            self._sync_bn = has
-        return has
+            found = []
+            self.net.apply(lambda b: found.append(b) if isinstance(b, SyncBatchNorm) else None)
+            self._sync_bn = bool(found)
+        return self._sync_bn
 
     def collect_params(self, select=None):
         return self.net.collect_params(select)
