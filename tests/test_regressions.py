@@ -358,6 +358,8 @@ def test_load_parameters_checks_dtypes_and_casts_only_when_asked(tmp_path):
     with pytest.raises(ValueError, match="'bias'.*values that float32 cannot hold"):
         net.load_parameters(path, cast_dtype=True)
     save_file({"weight": w, "bias": np.array([0.5, -2.0])}, path)
+    with pytest.raises(TypeError, match="cast_dtype must be True or False, got 'no'"):
+        net.load_parameters(path, cast_dtype="no")
     net.load_parameters(path, cast_dtype=True)
     np.testing.assert_array_equal(net.weight.data().asnumpy(), w.astype(np.float32))
     np.testing.assert_array_equal(net.bias.data().asnumpy(), [0.5, -2.0])

@@ -168,6 +168,8 @@ class Block:
         """
         from safetensors import SafetensorError
         from safetensors.numpy import load_file
+        if not isinstance(cast_dtype, (bool, np.bool_)):
+            raise TypeError(f"load_parameters: cast_dtype must be True or False, got {cast_dtype!r}")
         if not os.path.exists(path):
             raise FileNotFoundError(f"load_parameters: no such file: {path!r}")
         try:
