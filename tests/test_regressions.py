@@ -788,3 +788,72 @@ def test_two_hybridized_batch_norm_calls_before_one_backward():
         loss.backward()
         grads.append(net[0].weight.grad().asnumpy())
     np.testing.assert_allclose(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+
+
+def test_blas_lookup_race_second_thread_waits_for_first(monkeypatch):
+    """Two device workers making their first optimizer update at once: the second one's lookup
+    of cblas_saxpy must wait for the first one's instead of seeing "not available" and taking
+    NumPy's two-rounding update (1-ulp different replicas after one data-parallel step)."""
+    import threading
+
+    import threadpoolctl
+
+    from hybridl.ops import _blas
+    if _blas._cblas("axpy", "s") is None:
+        pytest.skip("NumPy's BLAS has no cblas_saxpy here")
+    monkeypatch.setattr(_blas, "_CBLAS", {})
+    entered, release = threading.Event(), threading.Event()
+    real = threadpoolctl.threadpool_info
+
+    def slow_info():                        # the first lookup stalls inside the library scan
+        entered.set()
+        release.wait(10)
+        return real()
+    monkeypatch.setattr(threadpoolctl, "threadpool_info", slow_info)
+    got = {}
+    first = threading.Thread(target=lambda: got.__setitem__("first", _blas._cblas("axpy", "s")))
+    first.start()
+    assert entered.wait(10)
+    second = threading.Thread(target=lambda: got.__setitem__("second", _blas._cblas("axpy", "s")))
+    second.start()
+    second.join(0.2)                        # still waiting for the first lookup (or wrong)
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert got["first"] is not None and got["second"] is got["first"]
+
+
+def test_data_parallel_replicas_identical_after_first_steps():
+    """examples/multi_device.py's promise: replicas updated from identical reduced gradients
+    stay bit-identical (the first update on each device looks up BLAS at the same time)."""
+    import subprocess
+    import sys
+    code = r'''
+import numpy as np, hybridl as hl
+from hybridl import autograd
+from hybridl.ops import _blas
+from hybridl.parallel import split_and_load
+devs = [hl.cpu(0), hl.cpu(1)]
+net = hl.models.mlp((64,), 10)
+net.initialize(device=devs)
+net.hybridize()
+tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore="device")
+lf = hl.loss.SoftmaxCrossEntropyLoss()
+rng = np.random.default_rng(0)
+for _ in range(2):
+    x = hl.nd.array(rng.random((64, 64), dtype=np.float32))
+    y = hl.nd.array(rng.integers(0, 10, 64))
+    xs, ys = split_and_load(x, devs), split_and_load(y, devs)
+    with autograd.record():
+        ls = [lf(net(a), b) for a, b in zip(xs, ys)]
+    autograd.backward(ls)
+    tr.step(64)
+hl.waitall()
+print(all(np.array_equal(*[d.asnumpy() for d in p.list_data()])
+          for p in net.collect_params().values()))
+'''
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120) for _ in range(3)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+    assert [r.stdout.split()[-1] for r in runs] == ["True"] * 3

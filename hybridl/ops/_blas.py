@@ -17,6 +17,7 @@ cores: 2 vs 1 BLAS threads) agree to float rounding, as with PyTorch or MKL at d
 counts. OpenBLAS itself keeps small products on one thread.
 """
 import os
+import threading
 from ctypes import addressof as _addressof
 from ctypes import c_char as _c_char
 
@@ -39,20 +40,25 @@ def cores():
 
 
 _state = {"ctl": None, "cur": None, "max": cores(), "ok": None, "pin": None}
+# one lookup (of the controller, of a cblas function) at a time: device workers make their
+# first GEMM or update together, and a half-done lookup must not read as "not available"
+_LOOKUP = threading.Lock()
 
 
 def _controller():
     """The thread controllers of the BLAS libraries loaded (NumPy's; SciPy's own too when
     something imported SciPy), as one object with ``set_num_threads``."""
     if _state["ok"] is None:
-        try:
-            import numpy  # noqa: F401 - loads the BLAS library
-            from threadpoolctl import ThreadpoolController
-            libs = ThreadpoolController().select(user_api="blas").lib_controllers
-            _state["ctl"] = _All(libs) if libs else None
-        except Exception:  # noqa: BLE001 - no control: leave BLAS as it is
-            _state["ctl"] = None
-        _state["ok"] = _state["ctl"] is not None
+        with _LOOKUP:                   # once, even when two workers ask first at once
+            if _state["ok"] is None:
+                try:
+                    import numpy  # noqa: F401 - loads the BLAS library
+                    from threadpoolctl import ThreadpoolController
+                    libs = ThreadpoolController().select(user_api="blas").lib_controllers
+                    _state["ctl"] = _All(libs) if libs else None
+                except Exception:  # noqa: BLE001 - no control: leave BLAS as it is
+                    _state["ctl"] = None
+                _state["ok"] = _state["ctl"] is not None
     return _state["ctl"]
 
 
@@ -103,11 +109,19 @@ def _cblas(routine, kind):
     """``cblas_<kind><routine>`` (``gemm``, ``axpy`` or ``axpby``; kind ``s`` or ``d``) of the BLAS NumPy
     itself is linked to (the same library, threads and budget as ``np.matmul``; a second BLAS
     in the process would bring a second pool of spinning threads), through ctypes, or None when
-    it cannot be found (looked up once). Returns ``(function, integer type)``."""
+    it cannot be found (looked up once, under a lock: a thread that asks while another looks it
+    up waits for that answer). Returns ``(function, integer type)``."""
     key = (routine, kind)
-    if key in _CBLAS:
+    got = _CBLAS.get(key, _LOOKUP)
+    if got is not _LOOKUP:
+        return got
+    with _LOOKUP:
+        if key not in _CBLAS:
+            _CBLAS[key] = _find_cblas(routine, kind)
         return _CBLAS[key]
-    _CBLAS[key] = None
+
+
+def _find_cblas(routine, kind):
     try:
         import ctypes
 
@@ -125,8 +139,7 @@ def _cblas(routine, kind):
                     fn.restype = None
                     fn.argtypes = _argtypes(routine, itype,
                                             ctypes.c_float if kind == "s" else ctypes.c_double)
-                    _CBLAS[key] = (fn, itype)
-                    return _CBLAS[key]
+                    return (fn, itype)
     except Exception:  # noqa: BLE001 - no such library: callers fall back to NumPy
         pass
     return None
