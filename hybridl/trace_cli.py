@@ -22,7 +22,7 @@ def build_parser():
     """``hybridl train``'s parser plus ``--steps``, ``--warmup``, ``--out``, ``--sort``, ``--limit``."""
     from .train_cli import _positive_int
     from .train_cli import build_parser as train_parser
-    p = train_parser(prog="hybridl trace")
+    p = train_parser(prog="hybridl trace", run_options=False)
     p.description = ("Record training steps with the profiler: write a Chrome trace (Perfetto) "
                      "and print the per-op table.")
     p.add_argument("--steps", type=_positive_int, default=10, help="training steps to record (10)")
@@ -60,12 +60,11 @@ def _trace(args):
     from . import autograd, data, engine, optim, profiler
     from . import loss as L
     from .train_cli import _load_data, _model, _setup
-    if args.distributed:
-        raise ValueError("--distributed: tracing runs one process; trace without it")
-    devices = args.devices or args.device
+    devices = args.device
     if len(devices) > 1:
-        raise ValueError(f"--devices: tracing records one device, got {len(devices)}; "
+        raise ValueError(f"--device: tracing records one device, got {len(devices)}; "
                          f"pass --device cpu:0")
+    args.epochs = 1                 # (only the defaults of _setup need it)
     from ._io import _check_target  # fail before training, not after
     from .train_cli import _probe_write
     try:

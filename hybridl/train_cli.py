@@ -54,49 +54,62 @@ def _device_list(s):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def build_parser(prog="hybridl train"):
+# options of a whole training run, which `hybridl trace` (a few recorded steps on one device in
+# one process) does not take
+_RUN_ONLY = ("--epochs", "--lr-schedule", "--devices", "--strategy", "--microbatches",
+             "--schedule", "--save", "--distributed", "--quiet")
+
+
+def build_parser(prog="hybridl train", run_options=True):
+    """The parser of ``hybridl train``; ``run_options=False`` leaves out the options of a
+    whole run (``_RUN_ONLY``), for commands that record a few steps (``hybridl trace``)."""
     p = _Parser(prog=prog, description="Train a model on a vision data set.")
-    p.add_argument("--model", default="lenet", choices=("mlp", "lenet", "resnet18", "inception"))
-    p.add_argument("--dataset", default="digits", choices=_DATASETS)
-    p.add_argument("--data-dir", default=None,
-                   help="folder with the IDX .gz files (default $HYBRIDL_DATA/<dataset> when "
-                        "HYBRIDL_DATA is set, else ~/.hybridl/datasets/<dataset>)")
-    p.add_argument("--download", action="store_true", help="download MNIST/Fashion-MNIST if missing")
-    p.add_argument("--epochs", type=_positive_int, default=None,
-                   help="default: 10 for digits, 1 otherwise")
-    p.add_argument("--batch-size", type=_positive_int, default=None,
-                   help="total batch per step (default 32 for digits, 128 otherwise)")
-    p.add_argument("--lr", type=_positive_float, default=None,
-                   help="default 0.05 sgd / 0.002 adam and adamw")
-    p.add_argument("--lr-schedule", default="cosine", choices=("cosine", "constant"),
-                   help="cosine (default): the learning rate decays from --lr to 0 over the "
-                        "run, per step (Loshchilov & Hutter 2017, without restarts); constant")
-    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "adamw"))
-    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
-    p.add_argument("--wd", type=float, default=0.0, help="weight decay (default 0)")
-    p.add_argument("--device", default="cpu:0", type=_device_list, help="e.g. cpu:0")
-    p.add_argument("--devices", default=None, type=_device_list,
-                   help="several devices, e.g. cpu:0,cpu:1 (data parallel by default); "
-                        "--batch-size stays the total batch, so each device gets batch/k "
-                        "samples, and the last partial batch of an epoch is dropped (so the "
-                        "figures differ slightly from one device's). Linear scaling rule "
-                        "(Goyal et al. 2017): if you grow the batch k-fold, multiply --lr by k "
-                        "(not done automatically)")
-    p.add_argument("--strategy", default="data", choices=("data", "pipeline", "tensor"),
-                   help="with --devices: data (replicas + ring allreduce), pipeline (stages "
-                        "+ micro-batches) or tensor (Dense/Conv2D split by output features; "
-                        "runs imperatively)")
-    p.add_argument("--microbatches", type=_positive_int, default=4,
-                   help="micro-batches per batch for --strategy pipeline")
-    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"),
-                   help="pipeline schedule for --strategy pipeline")
-    p.add_argument("--engine", default=None, choices=("threaded", "naive"))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save", default=None, metavar="PATH", help="save parameters (safetensors)")
-    p.add_argument("--no-hybridize", action="store_true", help="run the model imperatively")
-    p.add_argument("--num-workers", type=int, default=1, help="data loader threads")
-    p.add_argument("--distributed", action="store_true", help="data parallel over MPI ranks")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add = p.add_argument
+
+    def opt(*names, **kw):
+        if run_options or names[0] not in _RUN_ONLY:
+            add(*names, **kw)
+    opt("--model", default="lenet", choices=("mlp", "lenet", "resnet18", "inception"))
+    opt("--dataset", default="digits", choices=_DATASETS)
+    opt("--data-dir", default=None,
+        help="folder with the IDX .gz files (default $HYBRIDL_DATA/<dataset> when "
+        "HYBRIDL_DATA is set, else ~/.hybridl/datasets/<dataset>)")
+    opt("--download", action="store_true", help="download MNIST/Fashion-MNIST if missing")
+    opt("--epochs", type=_positive_int, default=None,
+        help="default: 10 for digits, 1 otherwise")
+    opt("--batch-size", type=_positive_int, default=None,
+        help="total batch per step (default 32 for digits, 128 otherwise)")
+    opt("--lr", type=_positive_float, default=None,
+        help="default 0.05 sgd / 0.002 adam and adamw")
+    opt("--lr-schedule", default="cosine", choices=("cosine", "constant"),
+        help="cosine (default): the learning rate decays from --lr to 0 over the "
+        "run, per step (Loshchilov & Hutter 2017, without restarts); constant")
+    opt("--optimizer", default="sgd", choices=("sgd", "adam", "adamw"))
+    opt("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
+    opt("--wd", type=float, default=0.0, help="weight decay (default 0)")
+    opt("--device", default="cpu:0", type=_device_list, help="e.g. cpu:0")
+    opt("--devices", default=None, type=_device_list,
+        help="several devices, e.g. cpu:0,cpu:1 (data parallel by default); "
+        "--batch-size stays the total batch, so each device gets batch/k "
+        "samples, and the last partial batch of an epoch is dropped (so the "
+        "figures differ slightly from one device's). Linear scaling rule "
+        "(Goyal et al. 2017): if you grow the batch k-fold, multiply --lr by k "
+        "(not done automatically)")
+    opt("--strategy", default="data", choices=("data", "pipeline", "tensor"),
+        help="with --devices: data (replicas + ring allreduce), pipeline (stages "
+        "+ micro-batches) or tensor (Dense/Conv2D split by output features; "
+        "runs imperatively)")
+    opt("--microbatches", type=_positive_int, default=None,
+        help="micro-batches per batch for --strategy pipeline (default 4)")
+    opt("--schedule", default=None, choices=("gpipe", "1f1b"),
+        help="pipeline schedule for --strategy pipeline (default 1f1b)")
+    opt("--engine", default=None, choices=("threaded", "naive"))
+    opt("--seed", type=int, default=0)
+    opt("--save", default=None, metavar="PATH", help="save parameters (safetensors)")
+    opt("--no-hybridize", action="store_true", help="run the model imperatively")
+    opt("--num-workers", type=int, default=1, help="data loader threads")
+    opt("--distributed", action="store_true", help="data parallel over MPI ranks")
+    opt("--quiet", action="store_true", help="no progress bar")
     return p
 
 
@@ -307,6 +320,13 @@ def main_train(argv=None):
         print(f"hybridl train: error: --strategy {args.strategy} needs --devices with at least "
               f"two devices, e.g. --devices cpu:0,cpu:1", file=sys.stderr)
         return 2
+    given = [f"--{n}" for n in ("microbatches", "schedule") if getattr(args, n) is not None]
+    if given and args.strategy != "pipeline":
+        print(f"hybridl train: error: {' and '.join(given)} only apply to --strategy pipeline "
+              f"(the strategy is {args.strategy})", file=sys.stderr)
+        return 2
+    args.microbatches = 4 if args.microbatches is None else args.microbatches
+    args.schedule = "1f1b" if args.schedule is None else args.schedule
     if args.save and len(devs) > 1 and args.strategy != "data":
         print(f"hybridl train: error: --save is supported with --strategy data (or one device); "
               f"the {args.strategy} strategy splits the parameters across devices",

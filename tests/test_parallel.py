@@ -418,8 +418,9 @@ def test_tensor_parallel_errors():
 @pytest.mark.parametrize("strategy", ["data", "pipeline", "tensor"])
 def test_train_cli_multi_device(strategy, capsys):
     from hybridl.train_cli import main_train
+    extra = ["--microbatches", "2"] if strategy == "pipeline" else []
     rc = main_train(["--model", "mlp", "--devices", "cpu:0,cpu:1", "--strategy", strategy,
-                     "--epochs", "1", "--quiet", "--microbatches", "2"])
+                     "--epochs", "1", "--quiet", *extra])
     out = capsys.readouterr().out
     assert rc == 0
     assert "epoch   1  loss" in out and "test acc" in out and "samples/s" in out

@@ -423,6 +423,15 @@ def test_trace_cli(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "hybridl", "trace", "--steps", "0"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "--steps" in bad.stderr
+    # options of a whole run are not offered (they were listed by --help and ignored)
+    helptext = subprocess.run([sys.executable, "-m", "hybridl", "trace", "--help"],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT).stdout
+    assert "--steps" in helptext and "--model" in helptext
+    for opt in ("--epochs", "--save", "--strategy", "--schedule", "--quiet", "--devices"):
+        assert opt not in helptext, opt
+    bad = subprocess.run([sys.executable, "-m", "hybridl", "trace", "--epochs", "3"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and "--epochs" in bad.stderr
 
 
 def test_compiled_call_reports_the_cost_of_its_whole_graph():

@@ -160,6 +160,8 @@ BAD_OPTIONS = [
     (("--devices", ""), "comma-separated list of devices"),
     (("--devices", "cpu:0,,cpu:1"), "comma-separated list of devices"),
     (("--device", "cpu:1", "--devices", "cpu:0,cpu:1"), "either --device"),
+    (("--microbatches", "8"), "only apply to --strategy pipeline"),      # was silently ignored
+    (("--devices", "cpu:0,cpu:1", "--schedule", "gpipe"), "only apply to --strategy pipeline"),
 ]
 
 
