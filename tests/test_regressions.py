@@ -857,3 +857,30 @@ print(all(np.array_equal(*[d.asnumpy() for d in p.list_data()])
     for r in runs:
         assert r.returncode == 0, r.stderr
     assert [r.stdout.split()[-1] for r in runs] == ["True"] * 3
+
+
+@pytest.mark.filterwarnings("ignore:.*retraced")            # one program per static value
+@pytest.mark.parametrize("dtype", ["int32", "int64"])      # hybridl's integer dtypes
+def test_compare_integer_array_with_out_of_range_scalar_as_numpy(dtype):
+    """NumPy 2 compares an integer array with a Python integer outside its dtype's range
+    exactly (int32 < 2**40 is all True); hybridl raised OverflowError, eager and traced."""
+    info = np.iinfo(dtype)
+    a = np.array([info.min, 0, 1, info.max], dtype=dtype)
+    x = hl.nd.array(a)
+    assert x.dtype == dtype
+    ops = ["__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__"]
+    scalars = [info.max + 1, 2 ** 70, info.min - 1, -2 ** 70, int(info.max), int(info.min), 0]
+
+    @hl.jit(static_argnames=("v", "op"))
+    def traced(t, v, op):
+        return getattr(t, op)(v)
+    for v in scalars:
+        for op in ops:
+            want = getattr(a, op)(v)
+            assert np.array_equal(getattr(x, op)(v).asnumpy(), want), (op, v)
+            assert np.array_equal(traced(x, v=v, op=op).asnumpy(), want), (op, v)
+        for fn, uf in [(hl.nd.less, np.less), (hl.nd.greater_equal, np.greater_equal),
+                       (hl.nd.equal, np.equal)]:
+            assert np.array_equal(fn(v, x).asnumpy(), uf(v, a)), (fn.__name__, v)
+    with pytest.raises(OverflowError):            # arithmetic still refuses, as NumPy does
+        x + (info.max + 1)

@@ -7,6 +7,7 @@ ops) and go through :func:`hybridl.ops.dispatch.apply`.
 """
 import builtins
 import math
+import numbers
 
 import numpy as np
 
@@ -184,34 +185,62 @@ def minimum(a, b):
     return apply(MINIMUM, a, b)
 
 
+# x OP v for an integer v outside the range of x's integer dtype has the same answer for every
+# element; it is computed as x OP' bound with the dtype's own bound (NumPy 2 compares such
+# Python integers exactly; converting v to x's dtype would overflow)
+_ABOVE = {"less": "less_equal", "less_equal": "less_equal", "not_equal": "less_equal",
+          "greater": "greater", "greater_equal": "greater", "equal": "greater"}
+_BELOW = {"greater": "greater_equal", "greater_equal": "greater_equal",
+          "not_equal": "greater_equal", "less": "less", "less_equal": "less", "equal": "less"}
+_FLIP = {"less": "greater", "greater": "less", "less_equal": "greater_equal",
+         "greater_equal": "less_equal", "equal": "equal", "not_equal": "not_equal"}
+
+
+def _int_scalar(v):
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def _compare(name, a, b):
+    if _int_scalar(a) and not _int_scalar(b):
+        a, b, name = b, a, _FLIP[name]
+    if _int_scalar(b) and getattr(getattr(a, "dtype", None), "kind", None) in ("i", "u"):
+        info = np.iinfo(a.dtype)
+        if int(b) > info.max:
+            name, b = _ABOVE[name], int(info.max)
+        elif int(b) < info.min:
+            name, b = _BELOW[name], int(info.min)
+    return apply(_CMP[name], a, b)
+
+
 def equal(a, b):
-    """Elementwise ``a == b`` -> bool."""
-    return apply(_CMP["equal"], a, b)
+    """Elementwise ``a == b`` -> bool. An integer scalar outside an integer array's range
+    compares exactly, as in NumPy 2 (``int32_array == 2**40`` is all False)."""
+    return _compare("equal", a, b)
 
 
 def not_equal(a, b):
-    """Elementwise ``a != b`` -> bool."""
-    return apply(_CMP["not_equal"], a, b)
+    """Elementwise ``a != b`` -> bool (integer scalars out of range: see :func:`equal`)."""
+    return _compare("not_equal", a, b)
 
 
 def greater(a, b):
-    """Elementwise ``a > b`` -> bool."""
-    return apply(_CMP["greater"], a, b)
+    """Elementwise ``a > b`` -> bool (integer scalars out of range: see :func:`equal`)."""
+    return _compare("greater", a, b)
 
 
 def greater_equal(a, b):
-    """Elementwise ``a >= b`` -> bool."""
-    return apply(_CMP["greater_equal"], a, b)
+    """Elementwise ``a >= b`` -> bool (integer scalars out of range: see :func:`equal`)."""
+    return _compare("greater_equal", a, b)
 
 
 def less(a, b):
-    """Elementwise ``a < b`` -> bool."""
-    return apply(_CMP["less"], a, b)
+    """Elementwise ``a < b`` -> bool (integer scalars out of range: see :func:`equal`)."""
+    return _compare("less", a, b)
 
 
 def less_equal(a, b):
-    """Elementwise ``a <= b`` -> bool."""
-    return apply(_CMP["less_equal"], a, b)
+    """Elementwise ``a <= b`` -> bool (integer scalars out of range: see :func:`equal`)."""
+    return _compare("less_equal", a, b)
 
 
 def logical_and(a, b):
