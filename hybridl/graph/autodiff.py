@@ -11,6 +11,7 @@ nodes that do not depend on a cotangent form the forward program, which also ret
 *residuals* (forward values the backward nodes read); the backward program takes the residuals
 and the cotangents. Compiled, the two run as one engine op each.
 """
+from .. import autograd
 from ..ops import math as M
 from ..ops.registry import GradCtx
 from .ir import Graph, Node, Symbol, rebuild
@@ -40,6 +41,23 @@ def gradient(graph, wrt=None):
     for y, c in zip(graph.outputs, cots):
         if c is not None:
             grads[y.key()] = c if y.key() not in grads else M.add(grads[y.key()], c)
+    # the rules run on symbols, never recorded by eager autograd: with recording on (a block
+    # hybridized inside the user's record()) some rules would take their create_graph=True
+    # form (conv2d's bias gradient as a separate sum), another rounding than eager backward's
+    with autograd._Scope(False, None):
+        _backward_nodes(graph, grads)
+    gouts = []
+    for i in wrt:
+        x = graph.inputs[i]
+        g = grads.get(x.key())
+        gouts.append(g if g is not None else M.zeros_like_op(x))
+    joint = Graph(graph.inputs + [c for c in cots if c is not None], graph.outputs + gouts)
+    return joint, cots, list(wrt)
+
+
+def _backward_nodes(graph, grads):
+    """Run the gradient rules of ``graph``'s op nodes in reverse order, adding into ``grads``
+    (symbol key -> gradient symbol; several uses of a value are summed)."""
     for node in reversed(graph.nodes):
         if node.kind != "op":
             continue
@@ -55,13 +73,6 @@ def gradient(graph, wrt=None):
                 continue
             k = x.key()
             grads[k] = g if k not in grads else M.add(grads[k], g)
-    gouts = []
-    for i in wrt:
-        x = graph.inputs[i]
-        g = grads.get(x.key())
-        gouts.append(g if g is not None else M.zeros_like_op(x))
-    joint = Graph(graph.inputs + [c for c in cots if c is not None], graph.outputs + gouts)
-    return joint, cots, list(wrt)
 
 
 def split_forward_backward(joint, n_primal_inputs, n_outputs):
