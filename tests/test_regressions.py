@@ -910,3 +910,92 @@ def test_hybridized_gradients_equal_eager_bit_for_bit_with_conv_bias(make):
     assert e.keys() == h.keys()
     for k in e:
         assert np.array_equal(e[k], h[k]), k
+
+
+def test_each_op_runs_with_the_blas_budget_of_its_push():
+    """The BLAS budget (cores // devices) was read when an op ran: a GEMM queued on cpu(0)
+    before the first op on cpu(1) ran with 2 or 1 threads depending on timing, and the same
+    product on 1 and 2 threads differs in the last bits (two-device runs differed run to run).
+    Now an op runs with the budget of its push, wherever and whenever it runs."""
+    import threading
+
+    from hybridl.engine import ThreadedEngine
+    from hybridl.engine.base import Var
+    from hybridl.ops import _blas
+    if _blas.cores() < 2:
+        pytest.skip("one core: the budget is 1 for any number of devices")
+    eng = ThreadedEngine()
+    try:
+        gate, seen = threading.Event(), {}
+        v = Var()
+        d0, d1 = hl.cpu(0), hl.cpu(1)
+        eng.push(lambda: gate.wait(10), [], [v], d0, name="blocker")
+        for key, reads, dev in (("before", [v], d0), ("other", [], d1), ("after", [v], d0)):
+            eng.push(lambda key=key: seen.__setitem__(key, _blas.budget()), reads, [Var()], dev,
+                     name=key, pure=True)       # (pure ops keep the budget of their push)
+        gate.set()                          # "a" runs only now, after cpu(1) started
+        eng.waitall()
+        cores = _blas.cores()
+        assert seen == {"before": cores, "other": cores // 2, "after": cores // 2}
+    finally:
+        eng.shutdown()
+        _blas.set_budget(hl.engine.get_engine().blas_budget())
+
+
+def test_two_device_program_same_bits_on_naive_and_threaded_engine():
+    """The naive engine always used every core for a GEMM, the threaded one cores // devices:
+    a two-device program gave other bits under the naive engine, the debugging switch."""
+    import subprocess
+    import sys
+    code = r'''
+import hashlib, sys, numpy as np, hybridl as hl
+hl.engine.set_engine(sys.argv[1])
+rng = np.random.default_rng(0)
+a = hl.nd.array(rng.standard_normal((256, 512)).astype(np.float32))
+b = hl.nd.array(rng.standard_normal((512, 512)).astype(np.float32))
+y0 = hl.nd.dot(a, b)                          # before any op on cpu(1)
+c = hl.nd.array(rng.standard_normal((256, 512)).astype(np.float32), device=hl.cpu(1))
+y1 = hl.nd.dot(c, b.copyto(hl.cpu(1)))
+y2 = hl.nd.dot(a, b)                          # after
+print(*[hashlib.sha1(y.asnumpy().tobytes()).hexdigest()[:12] for y in (y0, y1, y2)])
+'''
+    outs = []
+    for engine in ("naive", "threaded", "threaded", "naive", "threaded"):
+        r = subprocess.run([sys.executable, "-c", code, engine], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        outs.append(r.stdout.strip())
+    assert len(set(outs)) == 1, outs
+
+
+def test_blas_thread_count_set_from_any_thread():
+    """threadpoolctl (>= 3.6) lets only the first thread that sets an OpenBLAS limit through
+    it change the pool size and silently ignores the others; the budget is applied from
+    whichever engine worker runs the next GEMM, so it must reach OpenBLAS from any thread."""
+    import threading
+
+    from threadpoolctl import threadpool_info
+
+    from hybridl.ops import _blas
+    ctl = _blas._controller()
+    if ctl is None or not any(i.get("internal_api") == "openblas" and "numpy" in i["filepath"]
+                              for i in threadpool_info()):
+        pytest.skip("no OpenBLAS under NumPy here")
+
+    def count():                            # NumPy's OpenBLAS (SciPy may bring its own)
+        return [i["num_threads"] for i in threadpool_info()
+                if i.get("internal_api") == "openblas" and "numpy" in i["filepath"]]
+    try:
+        ctl.set_num_threads(2)              # this thread first (it would control threadpoolctl)
+        got = {}
+
+        def other(n, key):
+            ctl.set_num_threads(n)
+            got[key] = count()
+        for n, key in ((1, "a"), (2, "b"), (1, "c")):
+            t = threading.Thread(target=other, args=(n, key))
+            t.start()
+            t.join()
+        assert got == {"a": [1], "b": [2], "c": [1]}
+    finally:
+        _blas.set_budget(hl.engine.get_engine().blas_budget())

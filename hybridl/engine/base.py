@@ -107,7 +107,8 @@ class _BulkState(threading.local):
 
 class _Op:
     __slots__ = ("fn", "reads", "writes", "key", "priority", "name", "pending",
-                 "dependents", "done", "event", "meta", "seq", "pure", "cell", "skip_clean")
+                 "dependents", "done", "event", "meta", "seq", "pure", "cell", "skip_clean",
+                 "budget")
 
     def __init__(self, fn, reads, writes, key, priority, name, meta, pure=False,
                  skip_clean=False):
@@ -125,6 +126,7 @@ class _Op:
         self.pure = pure
         self.cell = None            # threaded engine: [average run time, runs] of the cost key
         self.skip_clean = skip_clean    # skipped for a failed input: its writes stay clean
+        self.budget = None          # BLAS threads it runs with (set at push; None: no GEMMs)
 
     def __lt__(self, other):            # heap order: higher priority first, then FIFO
         return (-self.priority, self.seq) < (-other.priority, other.seq)
@@ -137,6 +139,10 @@ class Engine:
     """
 
     def __init__(self):
+        self._keys = set()           # queue keys pushed to so far (in push order)
+        self._keys_lock = threading.Lock()
+        self._compute_keys = 0       # of them, those that are not copy queues
+        self._budget = None          # BLAS threads of an op pushed now (see blas_budget)
         self._errors = []            # OpErrors not yet raised by waitall()
         self._err_lock = threading.Lock()
         self.profiler = None         # an object with .record(op_name, key, thread, t0, t1, meta)
@@ -155,7 +161,9 @@ class Engine:
             name (str): shown in errors and in the profiler.
             meta (dict): optional cost figures for the profiler (``flops``, ``bytes``).
             pure (bool or hashable): true when ``fn`` only computes its writes from its reads
-                (no waiting on events, locks, I/O or other threads). The threaded engine may
+                (no waiting on events, locks, I/O or other threads); a pure op's GEMMs run
+                with the BLAS budget of its push (see :meth:`blas_budget`), an impure op's
+                with the budget of the pure ops running beside it. The threaded engine may
                 then run it in the pushing thread when it is ready, its device is idle and
                 ops with the same cost key have been taking less than ``inline_s`` (a thread
                 hand-over costs more than that). The cost key is ``pure`` itself unless it is
@@ -310,10 +318,46 @@ class Engine:
         return None
 
     def blas_budget(self):
-        """BLAS threads per GEMM under this engine: every core it may use (ops run one at a
-        time; see :func:`hybridl.ops._blas.cores`)."""
-        from ..ops import _blas
-        return _blas.cores()
+        """BLAS threads per GEMM of an op pushed now: ``cores() // (keys x workers)``, where
+        keys counts the queue keys (devices; copy queues excluded: they move memory) pushed to
+        so far, in push order, and workers is the worker threads per key (1 for the naive
+        engine, as for the threaded engine's default), so that workers x BLAS threads <= cores
+        when they all compute (see :func:`hybridl.ops._blas.cores`).
+
+        Each op runs with the budget of its push, wherever and whenever it runs: the same
+        product on 1 and 2 threads differs in the last bits, so a budget read when the op
+        runs would make results depend on timing (a device's first op pushed while another
+        device's GEMMs were queued). The naive engine and the threaded one then give the same
+        results for the same program, on one device or several."""
+        if self._budget is None:
+            from ..ops import _blas
+            n = self._compute_keys * self._workers_per_key()
+            self._budget = max(1, _blas.cores() // max(1, n))
+        return self._budget
+
+    def _workers_per_key(self):
+        return 1
+
+    def _op_budget(self, key):
+        """The budget of an op pushed now on queue ``key`` (None for a tuple key: copy,
+        communication and synchronization queues run no GEMMs); the first push to a new key
+        lowers the budget of every later push."""
+        if key not in self._keys:
+            with self._keys_lock:
+                if key not in self._keys:
+                    self._keys.add(key)
+                    if not (type(key) is tuple and key and key[0] == "copy"):
+                        self._compute_keys += 1
+                        from ..ops import _blas
+                        n = self._compute_keys * self._workers_per_key()
+                        self._budget_changed(max(1, _blas.cores() // n))
+                    elif self._budget is None:
+                        self.blas_budget()
+        return None if type(key) is tuple else self._budget
+
+    def _budget_changed(self, budget):
+        """The budget of later pushes is now ``budget`` (called with ``_keys_lock`` held)."""
+        self._budget = budget
 
     def shutdown(self):
         """Stop the workers (queued ops are cancelled). Called at interpreter exit."""

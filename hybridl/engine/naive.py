@@ -11,6 +11,11 @@ from .base import Engine, _Bulk
 __all__ = ["NaiveEngine"]
 
 
+def _engine_module():
+    from .. import engine
+    return engine
+
+
 class NaiveEngine(Engine):
     """Synchronous engine: ``push`` runs ``fn`` before returning.
 
@@ -34,6 +39,13 @@ class NaiveEngine(Engine):
         _Bulk(self, size)                # argument check only
         return contextlib.nullcontext(self)
 
+    def _budget_changed(self, budget):
+        # ops run at their push, one at a time: the new budget applies from here on
+        from ..ops import _blas
+        self._budget = budget
+        if self is _engine_module().get_engine():
+            _blas.set_budget(budget)
+
     def run_ready(self, kernel, arrays, outs, attrs, device, cost_key, name):
         """Every op runs at its push here: run it without making an op (see Engine.run_ready);
         an error is raised at once, as from ``push``."""
@@ -42,6 +54,7 @@ class NaiveEngine(Engine):
         for a in arrays:
             if a._var.exc is not None:      # let push pass the input's error on
                 return False
+        self._op_budget(device)
         with self._lock:
             err = self._run_now(kernel, arrays, outs, attrs, name, None)
         if err is not None:
@@ -49,6 +62,7 @@ class NaiveEngine(Engine):
         return True
 
     def _push_op(self, op):
+        op.budget = self._op_budget(op.key)
         with self._lock:
             err = self._execute(op)
         if err is not None:

@@ -117,9 +117,49 @@ class ThreadedEngine(Engine):
         self._cost = {}
         self._fresh = None             # the last op pushed, not waited for yet ...
         self._fresh_inline = False     # ... and whether it ran in the pusher for a sync loop
+        # BLAS budget of the ops running now (see Engine.blas_budget): ops pushed with another
+        # budget wait until these have finished (OpenBLAS's thread count is process-wide)
+        self._mode = None
+        self._mode_busy = 0            # ops with a budget running (workers, inline, waiters)
+        self._mode_waiters = 0
+        self._mode_cv = threading.Condition(self._lock)
+        self._gating = False           # the budget has changed once: run_ready takes the lock
+
+    # ------------------------------------------------------------------ BLAS budget
+    def _workers_per_key(self):
+        return self.num_workers
+
+    def _budget_changed(self, budget):
+        if self._budget is not None and budget != self._budget:
+            self._gating = True
+        self._budget = budget
+
+    def _start_ok(self, budget):            # lock held
+        """Whether an op pushed with ``budget`` may start now: no running op has another
+        budget. Then it is counted as running and the BLAS budget is set to its own."""
+        if budget is None:
+            return True
+        if self._mode_busy and self._mode != budget:
+            return False
+        if self._mode != budget:
+            from ..ops import _blas
+            self._mode = budget
+            _blas.set_budget(budget)
+        self._mode_busy += 1
+        return True
+
+    def _ended(self, budget):               # lock held
+        if budget is not None:
+            self._mode_busy -= 1
+            if not self._mode_busy and self._mode_waiters:
+                self._mode_cv.notify_all()
 
     # ------------------------------------------------------------------ scheduling
     def _push_op(self, op):
+        budget = self._op_budget(op.key)
+        # only pure ops hold a budget: an op that may wait on another thread (an event, a
+        # collective) must not keep ops of another budget from starting while it waits
+        op.budget = budget if op.pure else None
         op.seq = next(self._seq)
         pure = op.pure
         if pure:
@@ -184,7 +224,7 @@ class ThreadedEngine(Engine):
                     inline = cell[3] % _SYNC_PROBE != 0
                 if inline:
                     q = self._queues.get(op.key)
-                    if q is not None and not q.busy and not q.heap:
+                    if q is not None and not q.busy and not q.heap and self._start_ok(op.budget):
                         q.busy += 1          # the device counts as busy while we run it here
                         if not tiny:          # inline for the loop: until it waits for it
                             self._fresh, self._fresh_inline = op, True
@@ -217,9 +257,20 @@ class ThreadedEngine(Engine):
             w = v._writer
             if (w is not None and not w.done) or v.exc is not None:
                 return False
+        budget = self._op_budget(device)
+        counted = self._gating              # several budgets in this process: run with its own
+        if counted:                         # (read once: another thread may turn it on now)
+            with self._lock:
+                if not self._start_ok(budget):
+                    return False
         runs = cell[1]
         cell[1] = runs + 1
-        err = self._run_now(kernel, arrays, outs, attrs, name, None if runs & 7 else cell)
+        try:
+            err = self._run_now(kernel, arrays, outs, attrs, name, None if runs & 7 else cell)
+        finally:
+            if counted:
+                with self._lock:
+                    self._ended(budget)
         if err is not None:
             self._keep_error(err)
         return True
@@ -229,14 +280,6 @@ class ThreadedEngine(Engine):
         cell = self._cost.get(cost_key)
         return None if cell is None else cell[0]
 
-    def blas_budget(self):
-        """cores() // compute workers started so far (copy queues not counted: they move memory),
-        so that workers x BLAS threads <= cores when they all compute."""
-        from ..ops import _blas
-        n = sum(len(q.threads) for k, q in self._queues.items()
-                if not (type(k) is tuple and k and k[0] == "copy"))
-        return max(1, _blas.cores() // max(1, n))
-
     def _run_here(self, op, q):
         """Run ``op`` (already counted in ``q.busy``) in the calling thread, then finish it."""
         try:
@@ -244,6 +287,7 @@ class ThreadedEngine(Engine):
         finally:
             with self._lock:
                 q.busy -= 1
+                self._ended(op.budget)
                 self._finish(op)
 
     def _enqueue(self, op):                 # lock held
@@ -259,8 +303,6 @@ class ThreadedEngine(Engine):
                 q.threads.append(t)
                 t.start()
                 self._worker_ids.add(t.ident)
-            from ..ops import _blas
-            _blas.set_budget(self.blas_budget())
         heapq.heappush(q.heap, op)
         if q.sleeping:                      # an awake worker looks at the heap before sleeping
             q.cond.notify()
@@ -279,6 +321,7 @@ class ThreadedEngine(Engine):
             with lock:
                 if op is not None:
                     q.busy -= 1
+                    self._ended(op.budget)
                     self._finish(op)
                 while not q.heap:
                     if self._stopping:
@@ -293,6 +336,12 @@ class ThreadedEngine(Engine):
                     return
                 op = heapq.heappop(q.heap)
                 q.busy += 1
+                while not self._start_ok(op.budget):    # ops of another budget are running
+                    self._mode_waiters += 1
+                    try:
+                        self._mode_cv.wait()
+                    finally:
+                        self._mode_waiters -= 1
             self._execute(op)
 
     def _finish(self, op):                  # lock held
@@ -334,6 +383,8 @@ class ThreadedEngine(Engine):
             if not (tiny or q.busy + len(q.heap) <= self.num_workers):
                 return None
         elif q.busy or head.meta is None or not head.meta.get("waiter_may_run"):
+            return None
+        if not self._start_ok(head.budget):
             return None
         q.busy += 1
         return heapq.heappop(q.heap)

@@ -1,20 +1,23 @@
-"""BLAS thread policy: every GEMM runs on the thread *budget*, and the budget changes only when
-the number of engine workers does (or inside :func:`hybridl.engine.blas_threads`).
+"""BLAS thread policy: every GEMM runs on the thread *budget* of the engine op it belongs to.
 
-The budget is ``cores() // compute workers`` (the engine sets it), so that workers x BLAS threads
-<= cores when several workers compute at once. Kernels call :func:`for_gemm` before a GEMM; it
-applies the budget to the BLAS library (threadpoolctl's controller; ~2 us, only when it changed).
+The budget is ``cores() // compute workers`` (see :meth:`hybridl.engine.base.Engine.blas_budget`:
+the devices pushed to so far, in push order), so that workers x BLAS threads <= cores when
+several workers compute at once; :func:`hybridl.engine.blas_threads` pins it. Each op keeps the
+budget of its push; the threaded engine sets it (:func:`set_budget`) when the op starts and
+never runs two ops with different budgets at once. Kernels call :func:`for_gemm` before a GEMM;
+it applies the budget to the BLAS library (OpenBLAS's own setter, else threadpoolctl's
+controller; ~2 us, only when it changed).
 
 Why not a thread count per GEMM shape (one thread for small products)? OpenBLAS's pool size is
 process-wide, and its result depends on it: the same product on 1 and 2 threads differs in the
 last bits (the work is split and blocked differently; measured on the development VM for 6 of 7
 shapes). Per-GEMM switching from several threads at once (two device workers, or a tiny op run
 inline in the frontend while a worker multiplies) races: a GEMM may run on the count another
-thread just set, and results stop being reproducible. With one count for everything, a result
-depends only on the shapes and the budget: identical run to run, for the naive and the threaded
-engine, and inline or on a worker. Runs with different budgets (one device vs two devices on 2
-cores: 2 vs 1 BLAS threads) agree to float rounding, as with PyTorch or MKL at different thread
-counts. OpenBLAS itself keeps small products on one thread.
+thread just set, and results stop being reproducible. With the budget fixed per op by program
+order, a result depends only on the program: identical run to run, for the naive and the
+threaded engine, inline or on a worker. Runs with different budgets (one device vs two devices
+on 2 cores: 2 vs 1 BLAS threads) agree to float rounding, as with PyTorch or MKL at different
+thread counts. OpenBLAS itself keeps small products on one thread.
 """
 import os
 import threading
@@ -63,12 +66,40 @@ def _controller():
 
 
 class _All:
+    """``set_num_threads`` for every BLAS library loaded. OpenBLAS (pthreads build, NumPy's
+    wheels) is called directly: threadpoolctl (>= 3.6) lets only the first thread that sets a
+    limit through it change the pool size and silently ignores every other thread, and the
+    budget is set from whichever engine worker runs the next GEMM (ignored calls left GEMMs
+    on a stale count: 2 workers x 2 BLAS threads on 2 cores, and timing-dependent bits)."""
+
     def __init__(self, libs):
-        self.libs = libs
+        self.setters = [_direct_setter(lib) or lib.set_num_threads for lib in libs]
 
     def set_num_threads(self, n):
-        for lib in self.libs:
-            lib.set_num_threads(n)
+        for fn in self.setters:
+            fn(n)
+
+
+def _direct_setter(lib):
+    """OpenBLAS's own ``openblas_set_num_threads`` (a process-wide setting in its pthreads
+    build, callable from any thread) for threadpoolctl's controller ``lib``, or None (another
+    library, OpenBLAS's OpenMP build, or the symbol not found)."""
+    if getattr(lib, "internal_api", None) != "openblas" or \
+            getattr(lib, "threading_layer", None) == "openmp":
+        return None
+    try:
+        import ctypes
+        dl = ctypes.CDLL(lib.filepath)
+        for prefix in ("scipy_", ""):
+            for suffix in ("64_", "_64", ""):
+                fn = getattr(dl, f"{prefix}openblas_set_num_threads{suffix}", None)
+                if fn is not None:
+                    fn.argtypes = [ctypes.c_int]
+                    fn.restype = None
+                    return lambda n, fn=fn: fn(int(n))
+    except (OSError, AttributeError):
+        pass
+    return None
 
 
 def for_gemm():
