@@ -303,35 +303,34 @@ def lr_schedule(args, steps_per_epoch):
     return cosine_lr(args.lr, max(1, args.epochs * steps_per_epoch))
 
 
+def _usage_error(msg):
+    """Print ``msg`` as ``hybridl train``'s error with the pointer to --help; exit code 2."""
+    print(f"hybridl train: error: {msg}\n(the options: hybridl train --help)", file=sys.stderr)
+    return 2
+
+
 def main_train(argv=None):
     """Entry point of ``hybridl train``; returns the exit code."""
     args = build_parser().parse_args(argv)
     devs = args.devices or []
     from .device import cpu
     if devs and args.device != [cpu(0)]:
-        print(f"hybridl train: error: give either --device ({','.join(map(str, args.device))}) "
-              f"or --devices ({','.join(map(str, devs))}), not both", file=sys.stderr)
-        return 2
+        return _usage_error(f"give either --device ({','.join(map(str, args.device))}) "
+                            f"or --devices ({','.join(map(str, devs))}), not both")
     if len(set(devs)) != len(devs):
-        print(f"hybridl train: error: --devices lists a device twice: {','.join(map(str, devs))}",
-              file=sys.stderr)
-        return 2
+        return _usage_error(f"--devices lists a device twice: {','.join(map(str, devs))}")
     if args.strategy != "data" and len(devs) < 2:
-        print(f"hybridl train: error: --strategy {args.strategy} needs --devices with at least "
-              f"two devices, e.g. --devices cpu:0,cpu:1", file=sys.stderr)
-        return 2
+        return _usage_error(f"--strategy {args.strategy} needs --devices with at least two "
+                            f"devices, e.g. --devices cpu:0,cpu:1")
     given = [f"--{n}" for n in ("microbatches", "schedule") if getattr(args, n) is not None]
     if given and args.strategy != "pipeline":
-        print(f"hybridl train: error: {' and '.join(given)} only apply to --strategy pipeline "
-              f"(the strategy is {args.strategy})", file=sys.stderr)
-        return 2
+        return _usage_error(f"{' and '.join(given)} only apply to --strategy pipeline "
+                            f"(the strategy is {args.strategy})")
     args.microbatches = 4 if args.microbatches is None else args.microbatches
     args.schedule = "1f1b" if args.schedule is None else args.schedule
     if args.save and len(devs) > 1 and args.strategy != "data":
-        print(f"hybridl train: error: --save is supported with --strategy data (or one device); "
-              f"the {args.strategy} strategy splits the parameters across devices",
-              file=sys.stderr)
-        return 2
+        return _usage_error(f"--save is supported with --strategy data (or one device); the "
+                            f"{args.strategy} strategy splits the parameters across devices")
     try:
         return _train(args)
     except BrokenPipeError:         # `hybridl train | head`: the reader left; stop quietly
@@ -345,9 +344,8 @@ def main_train(argv=None):
         return 1
     except (FileNotFoundError, ValueError, OSError, RuntimeError) as e:
         msg = str(e).strip().splitlines()
-        print(f"hybridl train: error: {type(e).__name__}: {msg[0] if msg else e}"
-              + ("".join(f"\n  {m}" for m in msg[1:6])), file=sys.stderr)
-        return 2
+        return _usage_error(f"{type(e).__name__}: {msg[0] if msg else e}"
+                            + "".join(f"\n  {m}" for m in msg[1:6]))
 
 
 def _overall_rate(hist):
@@ -398,6 +396,11 @@ def _train(args):
                              f"{dist.size()} processes; use a multiple of {dist.size()}")
         local_batch = args.batch_size // dist.size()
         shard = dict(num_shards=dist.size(), shard_index=dist.rank())
+    if len(devices) > 1 and local_batch % len(devices):
+        # split_and_load would give the devices unequal shares (batch 1 on 2 devices: one
+        # device idle, trained like one device while the banner said 0 samples per device)
+        raise ValueError(f"--batch-size {args.batch_size} does not split evenly over "
+                         f"{len(devices)} devices; use a multiple of {len(devices)}")
     discard = len(devices) > 1 or bool(shard)
     per_rank = len(train_set) // (shard.get("num_shards", 1))
     if discard and local_batch > per_rank:

@@ -353,3 +353,11 @@ def test_split_and_root_arguments_are_checked(tmp_path):
     f.write_text("x")
     with pytest.raises(NotADirectoryError, match="is a file"):
         MNIST(root=str(f))
+
+
+@needs_mnist
+def test_fashion_mnist_refuses_mnist_files():
+    """Fashion-MNIST has the same file names and shapes as MNIST and only .gz checksums, so
+    --dataset fashion-mnist --data-dir <MNIST folder> trained on digits labelled as clothes."""
+    with pytest.raises(DatasetError, match="MNIST's t10k-images-idx3-ubyte, not this data set's"):
+        FashionMNIST(root=SHARED, train=False)

@@ -199,8 +199,12 @@ _CACHE_LOCK = threading.Lock()
 class _Resource:
     """One IDX file: name, expected shape, md5 of decompressed bytes and of the official .gz."""
 
-    def __init__(self, fname, shape, md5=None, gz_md5=None):
+    def __init__(self, fname, shape, md5=None, gz_md5=None, others=None):
         self.fname, self.shape, self.md5, self.gz_md5 = fname, shape, md5, gz_md5
+        # md5 of the decompressed file of the same name in another data set -> its name:
+        # refused when only the structure can be checked (MNIST's files are Fashion-MNIST's
+        # shape, and --data-dir pointing at them trained on digits labelled as clothes)
+        self.others = others or {}
 
     def verify(self, raw, where, downloaded=False):
         """Decompress, check checksums and structure; return the parsed array."""
@@ -210,6 +214,11 @@ class _Resource:
                 raise DatasetError(f"{where}: MD5 of the downloaded .gz is {got}, expected "
                                    f"{self.gz_md5} (corrupt or not the official file)")
         data = _decompress(raw, where)
+        if self.md5 is None and self.others:
+            other = self.others.get(_md5(data))
+            if other is not None:
+                raise DatasetError(f"{where}: this is {other}'s {self.fname}, not this data "
+                                   f"set's; point root (--data-dir) at the right folder")
         if self.md5 is not None:
             got = _md5(data)
             if got != self.md5:
@@ -465,7 +474,8 @@ class FashionMNIST(_IDXImageDataset):
 
     Verification: Zalando publishes the MD5 of the ``.gz`` files only, so a *download* is
     checked against those (mirrors must serve the official ``.gz``); files already on disk are
-    checked structurally (IDX magic, dims vs. size, 60,000/10,000 x 28 x 28, uint8).
+    checked structurally (IDX magic, dims vs. size, 60,000/10,000 x 28 x 28, uint8), and
+    MNIST's files (same names and shapes) are recognised by their MD5 and refused.
 
     Classes: T-shirt/top, Trouser, Pullover, Dress, Coat, Sandal, Shirt, Sneaker, Bag,
     Ankle boot.
@@ -476,12 +486,10 @@ class FashionMNIST(_IDXImageDataset):
     classes = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
                "Sneaker", "Bag", "Ankle boot")
     resources = {
-        "train": (_Resource("train-images-idx3-ubyte", (60000, 28, 28),
-                            gz_md5="8d4fb7e6c68d591d4c3dfef9ec88bf0d"),
-                  _Resource("train-labels-idx1-ubyte", (60000,),
-                            gz_md5="25c81989df183df01b3e8a0aad5dffbe")),
-        "test": (_Resource("t10k-images-idx3-ubyte", (10000, 28, 28),
-                           gz_md5="bef4ecab320f06d8554ea6380940ec79"),
-                 _Resource("t10k-labels-idx1-ubyte", (10000,),
-                           gz_md5="bb300cfdad3c16e7a12a480ee83cd310")),
+        split: tuple(_Resource(r.fname, r.shape, gz_md5=gz, others={r.md5: "MNIST"})
+                     for r, gz in zip(MNIST.resources[split], gzs))
+        for split, gzs in (("train", ("8d4fb7e6c68d591d4c3dfef9ec88bf0d",
+                                      "25c81989df183df01b3e8a0aad5dffbe")),
+                           ("test", ("bef4ecab320f06d8554ea6380940ec79",
+                                     "bb300cfdad3c16e7a12a480ee83cd310")))
     }
