@@ -633,7 +633,7 @@ def _push_eager(eng, op, kernel, arrs, outs, specs, attrs, dev, ckey):
     writes = [o._var for o in outs]
     if op.random:
         from . import random as _random
-        rs = _random._state
+        rs = _random._ops
         reads.append(rs.var)
         writes.append(rs.var)
 

@@ -15,16 +15,26 @@ __all__ = ["seed", "uniform", "normal", "randint", "shuffle"]
 
 
 class _RngState:
-    def __init__(self):
-        self.var = Var("rng", keep_clean=True)     # one failed random op must not poison it
+    def __init__(self, name):
+        self.var = Var(name, keep_clean=True)      # one failed random op must not poison it
         self.gen = np.random.default_rng()
 
 
-_state = _RngState()
+# hl.random.* and the initializers draw from _state; the random ops of models (dropout masks,
+# eager or in a compiled program) from _ops, a stream of their own: a layer whose shape is
+# inferred is initialized at its first forward, which a hybridized block does while tracing,
+# before the program draws any mask -- with one stream the masks and the later layers' initial
+# weights would differ between the eager and the hybridized run
+_state = _RngState("rng")
+_ops = _RngState("rng.ops")
 
 
 def seed(n):
-    """Reset the generator to ``numpy.random.default_rng(n)`` (ordered after earlier random ops).
+    """Reset the generators: ``hl.random.*`` and the initializers draw from
+    ``numpy.random.default_rng(n)``, the random ops of models (Dropout's masks) from
+    ``numpy.random.default_rng([n, 1])`` (a stream of their own, so that initialization, which
+    may happen at the first forward, never shifts the masks: eager and hybridized runs draw the
+    same). Ordered after earlier random ops.
 
     Raises:
         ValueError: ``n`` is not a non-negative integer.
@@ -34,8 +44,9 @@ def seed(n):
 
     def reseed():
         _state.gen = np.random.default_rng(int(n))
+        _ops.gen = np.random.default_rng([int(n), 1])
 
-    _engine.push(reseed, [], [_state.var], cpu(0), name="seed")
+    _engine.push(reseed, [], [_state.var, _ops.var], cpu(0), name="seed")
 
 
 def _not_traced(name):

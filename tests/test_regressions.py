@@ -999,3 +999,42 @@ def test_blas_thread_count_set_from_any_thread():
         assert got == {"a": [1], "b": [2], "c": [1]}
     finally:
         _blas.set_budget(hl.engine.get_engine().blas_budget())
+
+
+@pytest.mark.parametrize("mode", ["hybridize", "trainstep"])
+def test_dropout_before_a_deferred_layer_same_masks_and_weights_eager_and_hybridized(mode):
+    """A Dense whose input size is inferred is initialized at the first forward: eager, after
+    the Dropout before it drew its mask; hybridized, while tracing, before any mask. With one
+    random stream the masks and the initial weights differed (losses from step 0)."""
+    from hybridl import autograd, nn
+    rng = np.random.default_rng(0)
+    xs = [hl.nd.array(rng.standard_normal((8, 16)).astype(np.float32)) for _ in range(3)]
+    ys = [hl.nd.array(rng.integers(0, 10, 8)) for _ in range(3)]
+
+    def run(compiled):
+        hl.random.seed(0)
+        net = nn.HybridSequential()
+        net.add(nn.Dense(32, activation="relu"), nn.Dropout(0.5), nn.Dense(10))
+        net.initialize()
+        lf = hl.loss.SoftmaxCrossEntropyLoss()
+        tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+        if compiled:
+            net.hybridize()
+        step = (hl.TrainStep(net, lf, tr, fuse_updates=False)     # (the loop's bits)
+                if compiled and mode == "trainstep" else None)
+        losses = []
+        for x, y in zip(xs, ys):
+            if step is not None:
+                loss = step(x, y)
+            else:
+                with autograd.record():
+                    loss = lf(net(x), y)
+                loss.backward()
+                tr.step(8)
+            losses.append(loss.asnumpy())
+        return losses, [p.data().asnumpy() for p in net.collect_params().values()]
+    (le, we), (lh, wh) = run(False), run(True)
+    for a, b in zip(le, lh):
+        assert np.array_equal(a, b)
+    for a, b in zip(we, wh):
+        assert np.array_equal(a, b)

@@ -137,8 +137,8 @@ class Program:
         if self.op.random:       # no inputs but random draws: use the RNG after earlier draws
             from .. import engine as _engine
             from .. import random as _random
-            _engine.wait_for(_random._state.var)
-            outs = self.fn(_rng=_random._state.gen)
+            _engine.wait_for(_random._ops.var)
+            outs = self.fn(_rng=_random._ops.gen)
         else:
             outs = self.fn()
         res = [nd.array(np.array(o, copy=True)) for o in outs]

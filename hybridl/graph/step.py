@@ -563,7 +563,7 @@ class TrainStep:
         writes += [s._var for s in side_nd if id(s) not in upd_ids]
         if e.random:
             from .. import random as _random
-            rs = _random._state
+            rs = _random._ops
             reads.append(rs.var)
             writes.append(rs.var)
 
