@@ -27,7 +27,8 @@ def _usage():
     for name, (_, help_) in COMMANDS.items():
         lines.append(f"  {name:<8} {help_}")
     lines.append("")
-    lines.append("Run `hybridl <command> --help` for a command's options.")
+    lines.append("Run `hybridl <command> --help` for a command's options; "
+                 "`hybridl --version` for the version.")
     return "\n".join(lines)
 
 
@@ -39,6 +40,14 @@ def main(argv=None):
         return 2
     if argv[0] in ("-h", "--help"):
         print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            print(f"hybridl {version('hybridl')}")
+        except PackageNotFoundError:            # run from a source tree, not installed
+            from . import __version__
+            print(f"hybridl {__version__}")
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd not in COMMANDS:

@@ -123,7 +123,8 @@ def _trace(args):
     print(prof.table(sort_by=args.sort, limit=args.limit))
     ops = [e for e in prof.events if e.queue not in ("frontend", "bulk")]
     print(f"recorded {args.steps} step(s) in {wall * 1e3:.1f} ms ({wall / args.steps * 1e3:.2f} ms/step), "
-          f"{len(ops)} engine ops on {len({e.thread for e in ops})} thread(s); last loss "
+          f"{len(ops)} engine ops run by {', '.join(sorted({e.thread for e in ops})) or 'none'}; "
+          f"last loss "
           f"{float(loss.mean().item()):.4f}")
     print(f"trace written to {args.out} (open in https://ui.perfetto.dev)")
     return 0

@@ -284,6 +284,11 @@ def _engine_name():
 
 
 def _setup(args):
+    import warnings
+    # NumPy's overflow/invalid warnings of a diverging run (from the workers): the run stops
+    # with its own one-line message instead (see fit's divergence check)
+    warnings.filterwarnings("ignore", message=r"(invalid value|overflow|divide by zero) "
+                            r"encountered", category=RuntimeWarning)
     from . import engine, random
     if args.engine:
         engine.set_engine(args.engine)
@@ -518,7 +523,9 @@ def main_export(argv=None):
             try:
                 net.load_parameters(args.params)
             except ValueError as e:          # names/shapes differ: most likely another model
-                raise ValueError(f"{e}; was {args.params!r} saved by `hybridl train --model "
+                import re               # (the Python-API remedies do not apply to the CLI)
+                msg = re.sub(r" \(pass (allow_missing|ignore_extra)=True[^)]*\)", "", str(e))
+                raise ValueError(f"{msg}; was {args.params!r} saved by `hybridl train --model "
                                  f"{args.model} --dataset {args.dataset}`? pass the same "
                                  f"--model and --dataset to export") from e
         net.hybridize()

@@ -728,3 +728,28 @@ def test_model_output_shapes():
     assert isinstance(m.get_model("lenet"), nn.HybridBlock)
     with pytest.raises(ValueError, match="model"):
         m.get_model("nope")
+
+
+def test_load_parameters_names_missing_and_extra_at_once(tmp_path):
+    """A file of another model usually both lacks and adds names: both are reported in one
+    error (following the first hint alone only led to the second error)."""
+    from safetensors.numpy import save_file
+    net = _mlp((4, 3))
+    path = str(tmp_path / "other.safetensors")
+    vals = {k: p.data().asnumpy() for k, p in net.collect_params().items() if k != "1.bias"}
+    vals["head.bias"] = np.zeros(3, np.float32)
+    save_file(vals, path)
+    with pytest.raises(ValueError) as e:
+        net.load_parameters(path)
+    msg = str(e.value)
+    assert "lacks parameters ['1.bias']" in msg and "allow_missing=True" in msg
+    assert "has parameters ['head.bias']" in msg and "ignore_extra=True" in msg
+    net.load_parameters(path, allow_missing=True, ignore_extra=True)
+
+
+def test_gluon1_hybrid_forward_gets_a_message_that_says_what_to_do():
+    class Net(nn.HybridBlock):
+        def hybrid_forward(self, F, x):
+            return x
+    with pytest.raises(NotImplementedError, match="rename it to forward and drop the F"):
+        Net()(hl.nd.ones((1, 2)))

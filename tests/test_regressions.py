@@ -1038,3 +1038,29 @@ def test_dropout_before_a_deferred_layer_same_masks_and_weights_eager_and_hybrid
         assert np.array_equal(a, b)
     for a, b in zip(we, wh):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("var,value", [("HYBRIDL_ENGINE", "foo"), ("HYBRIDL_NUM_WORKERS", "x"),
+                                       ("HYBRIDL_NUM_WORKERS", "0"),
+                                       ("HYBRIDL_SWITCH_INTERVAL", "abc")])
+def test_bad_environment_settings_name_the_variable(var, value):
+    """HYBRIDL_NUM_WORKERS=x failed with int()'s message, HYBRIDL_SWITCH_INTERVAL=abc was
+    silently ignored, and HYBRIDL_ENGINE=foo did not say where 'foo' came from."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, **{var: value})
+    r = subprocess.run([sys.executable, "-c", "import hybridl"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0
+    assert f"ValueError: {var}={value!r}: expected" in r.stderr.strip().splitlines()[-1]
+
+
+def test_cli_version():
+    from hybridl.cli import main
+    import io
+    import contextlib
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["--version"]) == 0
+    assert out.getvalue().strip() == f"hybridl {hl.__version__}"

@@ -45,7 +45,15 @@ def _make(kind):
 
 
 _malloc.apply()            # keep freed array memory for reuse (see engine/_malloc.py)
-_current = _make(os.environ.get("HYBRIDL_ENGINE", "threaded").strip().lower() or "threaded")
+def _from_env():
+    kind = os.environ.get("HYBRIDL_ENGINE", "threaded").strip().lower() or "threaded"
+    if kind not in _ENGINES:
+        raise ValueError(f"HYBRIDL_ENGINE={os.environ['HYBRIDL_ENGINE']!r}: expected one of "
+                         f"{sorted(_ENGINES)} (or unset: threaded)")
+    return _make(kind)
+
+
+_current = _from_env()
 
 
 def get_engine():

@@ -35,12 +35,40 @@ _SYNC_PROBE = 16
 _SWITCH_INTERVAL = 0.0005
 
 
-def _set_switch_interval():
+def _env_switch_interval():
+    """HYBRIDL_SWITCH_INTERVAL in seconds (default 0.5 ms; 0 keeps Python's).
+
+    Raises:
+        ValueError: not a number >= 0 (names the variable)."""
     v = os.environ.get("HYBRIDL_SWITCH_INTERVAL", "").strip()
+    if not v:
+        return _SWITCH_INTERVAL
     try:
-        want = float(v) if v else _SWITCH_INTERVAL
+        want = float(v)
     except ValueError:
-        want = _SWITCH_INTERVAL
+        want = -1.0
+    if not 0 <= want < float("inf"):
+        raise ValueError(f"HYBRIDL_SWITCH_INTERVAL={v!r}: expected a number of seconds >= 0 "
+                         f"(e.g. 0.0005; 0 keeps Python's GIL time slice)")
+    return want
+
+
+def _env_num_workers():
+    """HYBRIDL_NUM_WORKERS (default 1).
+
+    Raises:
+        ValueError: not an integer >= 1 (names the variable)."""
+    v = os.environ.get("HYBRIDL_NUM_WORKERS", "").strip()
+    if not v:
+        return 1
+    if not v.isdigit() or int(v) < 1:
+        raise ValueError(f"HYBRIDL_NUM_WORKERS={v!r}: expected an integer >= 1 (worker "
+                         f"threads per device)")
+    return int(v)
+
+
+def _set_switch_interval():
+    want = _env_switch_interval()
     if want > 0 and sys.getswitchinterval() == _PY_DEFAULT_INTERVAL:
         sys.setswitchinterval(want)
 
@@ -97,8 +125,9 @@ class ThreadedEngine(Engine):
 
     def __init__(self, num_workers=None, inline_s=100e-6):
         super().__init__()
+        _env_switch_interval()              # a bad value is an error now, not ignored later
         if num_workers is None:
-            num_workers = int(os.environ.get("HYBRIDL_NUM_WORKERS", "1") or 1)
+            num_workers = _env_num_workers()
         if num_workers < 1:
             raise ValueError(f"num_workers: expected an integer >= 1, got {num_workers!r}")
         if not inline_s >= 0:

@@ -399,7 +399,11 @@ class SymbolBlock(_get_block_base()):
                 if tuple(x.shape) != want or x.dtype != np.dtype(n["specs"][0][1]):
                     raise ValueError(f"SymbolBlock: input {doc['inputs'][in_nodes[nid]]['name']!r} "
                                      f"must have the exported shape {want} and dtype "
-                                     f"{n['specs'][0][1]}, got {tuple(x.shape)} {x.dtype}")
+                                     f"{n['specs'][0][1]}, got {tuple(x.shape)} {x.dtype} "
+                                     f"(an exported graph has fixed shapes: those of the "
+                                     f"example inputs given to net.export(prefix, *inputs), "
+                                     f"else of the block's last call; export again with an "
+                                     f"input of the shape you need)")
                 vals[(nid, 0)] = x
             elif n["kind"] == "param":
                 vals[(nid, 0)] = self._pnodes[nid].data(dev)

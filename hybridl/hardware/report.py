@@ -405,7 +405,9 @@ def main(argv=None) -> int:
         return 2
     except SystemExit as e:  # --help
         return int(e.code or 0)
-    report = run(quick=args.quick, storage_dir=args.storage_dir, progress=not args.no_progress)
+    # a bar only on a terminal (as `hybridl train`): not into a log file or a pipe
+    report = run(quick=args.quick, storage_dir=args.storage_dir,
+                 progress=not args.no_progress and sys.stderr.isatty())
     print(format_table(report))
     if not args.no_cache:
         try:

@@ -180,12 +180,15 @@ class Block:
         params = self.collect_params()
         missing = [n for n in params if n not in loaded]
         extra = [n for n in loaded if n not in params]
-        if missing and not allow_missing:
-            raise ValueError(f"load_parameters: {path!r} lacks parameters {missing} "
-                             f"(pass allow_missing=True to keep their current values)")
+        problems = []                       # both kinds at once: a file of another model
+        if missing and not allow_missing:   # usually has both
+            problems.append(f"lacks parameters {missing} (pass allow_missing=True to keep "
+                            f"their current values)")
         if extra and not ignore_extra:
-            raise ValueError(f"load_parameters: {path!r} has parameters {extra} that this "
-                             f"network does not have (pass ignore_extra=True to skip them)")
+            problems.append(f"has parameters {extra} that this network does not have (pass "
+                            f"ignore_extra=True to skip them)")
+        if problems:
+            raise ValueError(f"load_parameters: {path!r} " + "; and it ".join(problems))
         for name, p in params.items():
             if name not in loaded:
                 continue
@@ -217,6 +220,11 @@ class Block:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args):
+        if hasattr(self, "hybrid_forward"):     # Gluon 1.x style: hybrid_forward(self, F, x)
+            raise NotImplementedError(
+                f"{type(self).__name__} defines hybrid_forward(self, F, ...) (MXNet Gluon 1.x); "
+                f"hybridl blocks define forward(self, x, ...) and call hl.nd / layers directly "
+                f"(as Gluon 2 and PyTorch): rename it to forward and drop the F argument")
         raise NotImplementedError(f"{type(self).__name__} must define forward()")
 
     def apply(self, fn):

@@ -56,8 +56,11 @@ def _sce_infer(logits, labels):
     if labels.dtype.kind not in "iu":
         raise TypeError(f"{name}: labels must be integer class indices, got dtype {labels.dtype}")
     if tuple(labels.shape) != (logits.shape[0],):
+        hint = ("; for one-hot or probability labels use "
+                "SoftmaxCrossEntropyLoss(sparse_label=False)"
+                if tuple(labels.shape) == tuple(logits.shape) else "")
         raise ValueError(f"{name}: labels must have shape ({logits.shape[0]},) to match logits "
-                         f"{logits.shape}, got {labels.shape}")
+                         f"{logits.shape}, got {labels.shape}{hint}")
     return [((logits.shape[0],), logits.dtype)]
 
 

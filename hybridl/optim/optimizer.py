@@ -332,4 +332,14 @@ def create(name, **kwargs):
     key = str(name).lower()
     if key not in _NAMES:
         raise ValueError(f"optimizer: expected one of {sorted(_NAMES)} or an Optimizer, got {name!r}")
-    return _NAMES[key](**kwargs)
+    cls = _NAMES[key]
+    known = set()
+    for c in cls.__mro__:                   # the parameters of the class and its bases
+        code = getattr(c.__dict__.get("__init__"), "__code__", None)
+        if code is not None:
+            known.update(code.co_varnames[1:code.co_argcount + code.co_kwonlyargcount])
+    unknown = sorted(k for k in kwargs if k not in known)
+    if unknown:
+        raise TypeError(f"optimizer_params: {cls.__name__} has no parameter(s) {unknown}; "
+                        f"its parameters are {sorted(known)}")
+    return cls(**kwargs)
