@@ -333,6 +333,10 @@ def main_train(argv=None):
                             f"(the strategy is {args.strategy})")
     args.microbatches = 4 if args.microbatches is None else args.microbatches
     args.schedule = "1f1b" if args.schedule is None else args.schedule
+    if args.dataset == "digits" and (args.data_dir or args.download):
+        return _usage_error(f"{'--data-dir' if args.data_dir else '--download'} is for "
+                            f"--dataset mnist or fashion-mnist; the digits ship with "
+                            f"scikit-learn")
     if args.save and len(devs) > 1 and args.strategy != "data":
         return _usage_error(f"--save is supported with --strategy data (or one device); the "
                             f"{args.strategy} strategy splits the parameters across devices")

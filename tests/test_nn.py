@@ -298,7 +298,8 @@ def test_initialize_force_reinit():
     layer = nn.Dense(8, in_units=8, dtype="float64")
     layer.initialize()
     w0 = layer.weight.data().asnumpy().copy()
-    layer.initialize(hl.init.Constant(2.0))            # already initialized: no-op
+    with pytest.warns(RuntimeWarning, match="force_reinit=True"):
+        layer.initialize(hl.init.Constant(2.0))        # already initialized: no-op
     np.testing.assert_array_equal(layer.weight.data().asnumpy(), w0)
     layer.initialize(hl.init.Constant(2.0), force_reinit=True)
     np.testing.assert_array_equal(layer.weight.data().asnumpy(), np.full((8, 8), 2.0))
@@ -753,3 +754,13 @@ def test_gluon1_hybrid_forward_gets_a_message_that_says_what_to_do():
             return x
     with pytest.raises(NotImplementedError, match="rename it to forward and drop the F"):
         Net()(hl.nd.ones((1, 2)))
+
+
+def test_initialize_twice_warns_and_keeps_values():
+    net = _mlp((4, 3))
+    w = net.collect_params()["0.weight"].data().asnumpy().copy()
+    with pytest.warns(RuntimeWarning, match="already initialized were left as they are"):
+        net.initialize(hl.init.Constant(5.0))
+    np.testing.assert_array_equal(net.collect_params()["0.weight"].data().asnumpy(), w)
+    net.initialize(hl.init.Constant(5.0), force_reinit=True)
+    assert (net.collect_params()["0.weight"].data().asnumpy() == 5.0).all()

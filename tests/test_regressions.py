@@ -1064,3 +1064,21 @@ def test_cli_version():
     with contextlib.redirect_stdout(out):
         assert main(["--version"]) == 0
     assert out.getvalue().strip() == f"hybridl {hl.__version__}"
+
+
+def test_misspelled_optimizer_param_lists_the_parameters():
+    net = hl.nn.Dense(2, in_units=2)
+    net.initialize()
+    with pytest.raises(TypeError, match=r"SGD has no parameter\(s\) \['learning_rat'\]; its "
+                                        r"parameters are \[.*'learning_rate'.*'momentum'"):
+        hl.Trainer(net.collect_params(), "sgd", {"learning_rat": 0.1})
+    hl.Trainer(net.collect_params(), "sgd", {"lr": 0.1, "momentum": 0.9})      # the alias
+
+
+def test_one_hot_labels_point_at_sparse_label_false():
+    logits = hl.nd.ones((2, 3))
+    onehot = hl.nd.array(np.eye(3, dtype=np.int64)[:2])
+    with pytest.raises(ValueError, match=r"SoftmaxCrossEntropyLoss\(sparse_label=False\)"):
+        hl.loss.SoftmaxCrossEntropyLoss()(logits, onehot)
+    got = hl.loss.SoftmaxCrossEntropyLoss(sparse_label=False)(logits, onehot.astype("float32"))
+    np.testing.assert_allclose(got.asnumpy(), np.log(3.0) * np.ones(2), rtol=1e-6)

@@ -240,7 +240,17 @@ class ParameterDict(OrderedDict):
     """An ordered ``name -> Parameter`` mapping with bulk helpers."""
 
     def initialize(self, init=None, device=None, force_reinit=False):
-        """Initialize every parameter (see :meth:`Parameter.initialize`)."""
+        """Initialize every parameter (see :meth:`Parameter.initialize`). Parameters that
+        already have values keep them unless ``force_reinit``; a RuntimeWarning names them (a
+        second ``net.initialize(...)`` with another initializer or device otherwise silently
+        does nothing, as Gluon warns)."""
+        kept = [p.name for p in self.values() if p._data is not None and not force_reinit]
+        if kept:
+            import warnings
+            warnings.warn(f"initialize: {len(kept)} parameter(s) already initialized were left "
+                          f"as they are ({', '.join(kept[:4])}{', ...' if len(kept) > 4 else ''});"
+                          f" pass force_reinit=True to initialize them again", RuntimeWarning,
+                          stacklevel=3)
         for p in self.values():
             p.initialize(None, device, default_init=init, force_reinit=force_reinit)
 
