@@ -10,6 +10,7 @@ API (as in MXNet Gluon): ``record(train_mode=True)``, ``pause(train_mode=False)`
 ``is_recording()``, ``is_training()``, ``train_mode()``, ``predict_mode()``,
 ``backward(heads, head_grads)``, ``grad(heads, variables, create_graph=False)``.
 """
+import itertools
 import threading
 
 import numpy as np
@@ -75,11 +76,15 @@ def is_training():
     return _state.training
 
 
+_SEQ = itertools.count()    # recording order of the tape's nodes
+
+
 class Node:
-    __slots__ = ("op", "inputs", "outputs", "attrs", "freed", "versions", "out_versions")
+    __slots__ = ("op", "inputs", "outputs", "attrs", "freed", "versions", "out_versions", "seq")
 
     def __init__(self, op, inputs, outputs, attrs):
         self.op, self.inputs, self.outputs, self.attrs = op, inputs, outputs, attrs
+        self.seq = next(_SEQ)
         self.freed = False
         # versions of the inputs and outputs: a write to one of them between recording and
         # backward would make the gradient use the new value (PyTorch's version counter)
@@ -181,7 +186,16 @@ def _topo(heads):
         for x in node.inputs:
             if x._ag is not None and id(x._ag[0]) not in seen:
                 stack.append((x._ag[0], False))
+    # recording order (a topological order too): backward then visits the nodes in reverse
+    # recording order, as the compiled backward of a hybridized block does, so that the
+    # gradients of a value used three times or more are summed in the same order (float
+    # addition is not associative: an Inception block's branches gave other bits)
+    order.sort(key=_seq_of)
     return order      # inputs before outputs
+
+
+def _seq_of(node):
+    return node.seq
 
 
 _MODS = []      # [ndarray, ops.math] once imported (they import this module)
