@@ -7,7 +7,7 @@ the threaded engine alike. The generator is NumPy's PCG64 (``numpy.random.defaul
 import numpy as np
 
 from . import engine as _engine
-from .device import Device, cpu, current_device
+from .device import Device, current_device
 from .engine import Var
 from .ops._util import F32, I64, as_dtype
 
@@ -46,7 +46,9 @@ def seed(n):
         _state.gen = np.random.default_rng(int(n))
         _ops.gen = np.random.default_rng([int(n), 1])
 
-    _engine.push(reseed, [], [_state.var, _ops.var], cpu(0), name="seed")
+    # on a queue of its own: a seed is no device's work (pushed on cpu(0), it counted cpu(0)
+    # as a device in use and halved the BLAS threads of a program that runs on cpu(1))
+    _engine.push(reseed, [], [_state.var, _ops.var], ("rng", "seed"), name="seed")
 
 
 def _not_traced(name):

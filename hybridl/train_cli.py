@@ -329,7 +329,8 @@ def main_train(argv=None):
                             f"devices, e.g. --devices cpu:0,cpu:1")
     given = [f"--{n}" for n in ("microbatches", "schedule") if getattr(args, n) is not None]
     if given and args.strategy != "pipeline":
-        return _usage_error(f"{' and '.join(given)} only apply to --strategy pipeline "
+        return _usage_error(f"{' and '.join(given)} "
+                            f"{'apply' if len(given) > 1 else 'applies'} only to --strategy pipeline "
                             f"(the strategy is {args.strategy})")
     args.microbatches = 4 if args.microbatches is None else args.microbatches
     args.schedule = "1f1b" if args.schedule is None else args.schedule
@@ -405,7 +406,7 @@ def _train(args):
                              f"{dist.size()} processes; use a multiple of {dist.size()}")
         local_batch = args.batch_size // dist.size()
         shard = dict(num_shards=dist.size(), shard_index=dist.rank())
-    if len(devices) > 1 and local_batch % len(devices):
+    if len(devices) > 1 and args.strategy == "data" and local_batch % len(devices):
         # split_and_load would give the devices unequal shares (batch 1 on 2 devices: one
         # device idle, trained like one device while the banner said 0 samples per device)
         raise ValueError(f"--batch-size {args.batch_size} does not split evenly over "

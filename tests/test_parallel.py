@@ -415,6 +415,18 @@ def test_tensor_parallel_errors():
 # ============================================================================ hybridl train
 
 
+def test_train_cli_uneven_batch_refused_only_for_data_parallel(capsys):
+    """Pipeline micro-batches and tensor parallelism do not split the batch over the
+    devices: a batch that 3 devices cannot share evenly is fine there."""
+    from hybridl.train_cli import main_train
+    common = ["--model", "mlp", "--devices", "cpu:0,cpu:1,cpu:2", "--epochs", "1", "--quiet",
+              "--batch-size", "32"]
+    assert main_train(common + ["--strategy", "pipeline", "--microbatches", "4"]) == 0
+    assert main_train(common + ["--strategy", "tensor"]) == 0
+    assert main_train(common) == 2
+    assert "does not split evenly over 3 devices" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("strategy", ["data", "pipeline", "tensor"])
 def test_train_cli_multi_device(strategy, capsys):
     from hybridl.train_cli import main_train

@@ -916,30 +916,39 @@ def test_each_op_runs_with_the_blas_budget_of_its_push():
     """The BLAS budget (cores // devices) was read when an op ran: a GEMM queued on cpu(0)
     before the first op on cpu(1) ran with 2 or 1 threads depending on timing, and the same
     product on 1 and 2 threads differs in the last bits (two-device runs differed run to run).
-    Now an op runs with the budget of its push, wherever and whenever it runs."""
-    import threading
-
-    from hybridl.engine import ThreadedEngine
-    from hybridl.engine.base import Var
+    Now an op runs with the budget of its push, wherever and whenever it runs. (A fresh
+    process: the devices a process has used count, whichever engine used them.)"""
+    import subprocess
+    import sys
     from hybridl.ops import _blas
     if _blas.cores() < 2:
         pytest.skip("one core: the budget is 1 for any number of devices")
-    eng = ThreadedEngine()
-    try:
-        gate, seen = threading.Event(), {}
-        v = Var()
-        d0, d1 = hl.cpu(0), hl.cpu(1)
-        eng.push(lambda: gate.wait(10), [], [v], d0, name="blocker")
-        for key, reads, dev in (("before", [v], d0), ("other", [], d1), ("after", [v], d0)):
-            eng.push(lambda key=key: seen.__setitem__(key, _blas.budget()), reads, [Var()], dev,
-                     name=key, pure=True)       # (pure ops keep the budget of their push)
-        gate.set()                          # "a" runs only now, after cpu(1) started
-        eng.waitall()
-        cores = _blas.cores()
-        assert seen == {"before": cores, "other": cores // 2, "after": cores // 2}
-    finally:
-        eng.shutdown()
-        _blas.set_budget(hl.engine.get_engine().blas_budget())
+    code = r"""
+import threading, hybridl as hl
+from hybridl.engine.base import Var
+from hybridl.ops import _blas
+eng = hl.engine.get_engine()
+gate, seen = threading.Event(), {}
+v = Var()
+d0, d1 = hl.cpu(0), hl.cpu(1)
+eng.push(lambda: gate.wait(10), [], [v], d0, name="blocker")
+for key, reads, dev in (("before", [v], d0), ("other", [], d1), ("after", [v], d0)):
+    eng.push(lambda key=key: seen.__setitem__(key, _blas.budget()), reads, [Var()], dev,
+             name=key, pure=True)       # (pure ops keep the budget of their push)
+gate.set()                              # "before" runs only now, after cpu(1) started
+eng.waitall()
+with hl.engine.blas_threads(1):         # leaving it must not leave ops on its count
+    pass
+eng.push(lambda: seen.__setitem__("after blas_threads", _blas.budget()), [], [Var()], d0,
+         pure=True)
+eng.waitall()
+c = _blas.cores()
+print(seen == {"before": c, "other": c // 2, "after": c // 2, "after blas_threads": c // 2},
+      seen)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("True"), r.stdout
 
 
 def test_two_device_program_same_bits_on_naive_and_threaded_engine():
@@ -1109,3 +1118,69 @@ def test_models_eager_and_hybridized_bit_identical(name):
                 + [p.grad().asnumpy() for p in ps.values() if p.grad_req != "null"])
     for a, b in zip(run(False), run(True)):
         assert np.array_equal(a, b)
+
+
+
+_BUDGET_R1 = r'''
+import sys, threading, numpy as np, hybridl as hl
+from hybridl.engine import Var
+r = np.random.default_rng(0)
+a, b = r.standard_normal((300, 500), np.float32), r.standard_normal((500, 300), np.float32)
+x, w, z = hl.nd.array(a), hl.nd.array(b), hl.nd.zeros((3,))
+hl.nd.dot(x, w).asnumpy()
+ev = threading.Event()
+hl.engine.push(ev.wait, [], [x._var], hl.cpu(0))
+if sys.argv[1] == "bt":
+    y = hl.nd.dot(x, w)
+    hl.engine.push(lambda: None, [], [Var()], hl.cpu(1))
+    with hl.engine.blas_threads(1): pass
+else:
+    with hl.engine.bulk(4):
+        y = hl.nd.dot(x, w); z += 1
+    hl.nd.dot(hl.nd.array(a, device=hl.cpu(1)), hl.nd.array(b, device=hl.cpu(1))).asnumpy()
+ev.set()
+with hl.engine.blas_threads(2):
+    ref = hl.nd.dot(hl.nd.array(a), hl.nd.array(b)).asnumpy()
+print(sys.argv[1], np.array_equal(y.asnumpy(), ref))
+'''
+_BUDGET_R2 = r'''
+import sys, hashlib, numpy as np, hybridl as hl
+r = np.random.default_rng(0)
+a = r.standard_normal((300, 300), np.float32)
+xs = [hl.nd.array(a, device=hl.cpu(i)) for i in (0, 1)]
+out = []
+for step in range(4):
+    if sys.argv[1] == "switch": hl.engine.set_engine("naive" if step % 2 else "threaded")
+    elif sys.argv[1] == "naive": hl.engine.set_engine("naive")
+    xs = [hl.nd.dot(x, x) * 0.05 for x in xs]
+    out.append(xs[0].asnumpy().copy())
+print(sys.argv[1], hashlib.sha1(np.concatenate(out).tobytes()).hexdigest()[:10])
+'''
+
+
+def test_blas_budget_survives_blas_threads_bulk_engine_switch_and_seed():
+    """Found by a break-it pass on the per-op budget: an op pushed with budget 2 ran on 1
+    thread after ``blas_threads`` exited (the engine thought the count was still set) or in a
+    bulk group with an impure member (not gated); switching engines mid-run restarted the
+    device count (a fresh naive engine used every core); and hl.random.seed, pushed on
+    cpu(0), counted cpu(0) as a device in use. Fresh processes: the devices used count."""
+    import subprocess
+    import sys
+    from hybridl.ops import _blas
+    if _blas.cores() < 2:
+        pytest.skip("one core: the budget is 1 for any number of devices")
+
+    def run(code, *args):
+        r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.split()
+    assert run(_BUDGET_R1, "bt") == ["bt", "True"]
+    assert run(_BUDGET_R1, "bulk") == ["bulk", "True"]
+    hashes = {run(_BUDGET_R2, m)[1] for m in ("threaded", "naive", "switch")}
+    assert len(hashes) == 1, hashes
+    seed = ("import hybridl as hl\n"
+            "x = hl.nd.ones((4, 4), device=hl.cpu(1)); (x * 2).asnumpy()\n"
+            "b = hl.engine.get_engine().blas_budget(); hl.random.seed(0); hl.waitall()\n"
+            "print(b == hl.engine.get_engine().blas_budget())")
+    assert run(seed) == ["True"]

@@ -160,12 +160,12 @@ BAD_OPTIONS = [
     (("--devices", ""), "comma-separated list of devices"),
     (("--devices", "cpu:0,,cpu:1"), "comma-separated list of devices"),
     (("--device", "cpu:1", "--devices", "cpu:0,cpu:1"), "either --device"),
-    (("--microbatches", "8"), "only apply to --strategy pipeline"),      # was silently ignored
+    (("--microbatches", "8"), "applies only to --strategy pipeline"),      # was silently ignored
     (("--devices", "cpu:0,cpu:1", "--batch-size", "3"), "does not split evenly over 2 devices"),
     (("--data-dir", "/tmp"), "--data-dir is for --dataset mnist"),        # was ignored
     (("--download",), "--download is for --dataset mnist"),
     (("--devices", "cpu:0,cpu:1", "--batch-size", "1"), "use a multiple of 2"),
-    (("--devices", "cpu:0,cpu:1", "--schedule", "gpipe"), "only apply to --strategy pipeline"),
+    (("--devices", "cpu:0,cpu:1", "--schedule", "gpipe"), "applies only to --strategy pipeline"),
 ]
 
 

@@ -132,6 +132,13 @@ class _Op:
         return (-self.priority, self.seq) < (-other.priority, other.seq)
 
 
+# Queue keys pushed to in this process, by any engine (see Engine.blas_budget): devices, and
+# tuple keys whose first element is in _BUSY_QUEUES, count; "gen" changes with the count
+_KEYS = {"seen": set(), "busy": 0, "gen": 0}
+_KEYS_LOCK = threading.Lock()
+_BUSY_QUEUES = ("comm",)        # the MPI communication thread polls the network
+
+
 class Engine:
     """Common part of the engines: error handling, profiling hooks and bulking.
 
@@ -139,9 +146,7 @@ class Engine:
     """
 
     def __init__(self):
-        self._keys = set()           # queue keys pushed to so far (in push order)
-        self._keys_lock = threading.Lock()
-        self._compute_keys = 0       # of them, those that are not copy queues
+        self._gen = -1               # _KEYS["gen"] that self._budget was computed for
         self._budget = None          # BLAS threads of an op pushed now (see blas_budget)
         self._errors = []            # OpErrors not yet raised by waitall()
         self._err_lock = threading.Lock()
@@ -318,21 +323,25 @@ class Engine:
         return None
 
     def blas_budget(self):
-        """BLAS threads per GEMM of an op pushed now: ``cores() // (keys x workers)``, where
-        keys counts the queue keys (devices; copy queues excluded: they move memory) pushed to
-        so far, in push order, and workers is the worker threads per key (1 for the naive
-        engine, as for the threaded engine's default), so that workers x BLAS threads <= cores
-        when they all compute (see :func:`hybridl.ops._blas.cores`).
+        """BLAS threads per GEMM of an op pushed now: ``cores() // (devices x workers)``,
+        where devices counts the devices pushed to so far in this process, by any engine, in
+        push order (and the MPI communication queue, whose thread polls the network; not the
+        copy and synchronization queues, which move memory or sleep), and workers is the
+        worker threads per device (1 for the naive engine, as for the threaded engine's
+        default), so that workers x BLAS threads <= cores when they all compute (see
+        :func:`hybridl.ops._blas.cores`).
 
-        Each op runs with the budget of its push, wherever and whenever it runs: the same
-        product on 1 and 2 threads differs in the last bits, so a budget read when the op
-        runs would make results depend on timing (a device's first op pushed while another
+        Each pure op runs with the budget of its push, wherever and whenever it runs: the
+        same product on 1 and 2 threads differs in the last bits, so a budget read when the
+        op runs would make results depend on timing (a device's first op pushed while another
         device's GEMMs were queued). The naive engine and the threaded one then give the same
-        results for the same program, on one device or several."""
-        if self._budget is None:
+        results for the same program, on one device or several, also when a program switches
+        engines."""
+        if self._gen != _KEYS["gen"]:
             from ..ops import _blas
-            n = self._compute_keys * self._workers_per_key()
-            self._budget = max(1, _blas.cores() // max(1, n))
+            n = _KEYS["busy"] * self._workers_per_key()
+            self._gen = _KEYS["gen"]
+            self._budget_changed(max(1, _blas.cores() // max(1, n)))
         return self._budget
 
     def _workers_per_key(self):
@@ -340,23 +349,21 @@ class Engine:
 
     def _op_budget(self, key):
         """The budget of an op pushed now on queue ``key`` (None for a tuple key: copy,
-        communication and synchronization queues run no GEMMs); the first push to a new key
-        lowers the budget of every later push."""
-        if key not in self._keys:
-            with self._keys_lock:
-                if key not in self._keys:
-                    self._keys.add(key)
-                    if not (type(key) is tuple and key and key[0] == "copy"):
-                        self._compute_keys += 1
-                        from ..ops import _blas
-                        n = self._compute_keys * self._workers_per_key()
-                        self._budget_changed(max(1, _blas.cores() // n))
-                    elif self._budget is None:
-                        self.blas_budget()
+        communication and synchronization queues run no GEMMs); the first push to a new
+        device lowers the budget of every later push."""
+        if key not in _KEYS["seen"]:
+            with _KEYS_LOCK:
+                if key not in _KEYS["seen"]:
+                    _KEYS["seen"].add(key)
+                    if type(key) is not tuple or (key and key[0] in _BUSY_QUEUES):
+                        _KEYS["busy"] += 1
+                        _KEYS["gen"] += 1
+        if self._gen != _KEYS["gen"]:
+            self.blas_budget()
         return None if type(key) is tuple else self._budget
 
     def _budget_changed(self, budget):
-        """The budget of later pushes is now ``budget`` (called with ``_keys_lock`` held)."""
+        """The budget of later pushes is now ``budget``."""
         self._budget = budget
 
     def shutdown(self):

@@ -11,11 +11,6 @@ from .base import Engine, _Bulk
 __all__ = ["NaiveEngine"]
 
 
-def _engine_module():
-    from .. import engine
-    return engine
-
-
 class NaiveEngine(Engine):
     """Synchronous engine: ``push`` runs ``fn`` before returning.
 
@@ -39,12 +34,12 @@ class NaiveEngine(Engine):
         _Bulk(self, size)                # argument check only
         return contextlib.nullcontext(self)
 
-    def _budget_changed(self, budget):
-        # ops run at their push, one at a time: the new budget applies from here on
-        from ..ops import _blas
-        self._budget = budget
-        if self is _engine_module().get_engine():
-            _blas.set_budget(budget)
+    def _apply_budget(self, budget):
+        """Ops run at their push, one at a time: each with the budget of its push."""
+        if budget is not None:
+            from ..ops import _blas
+            if _blas._state["max"] != budget:
+                _blas.set_budget(budget)
 
     def run_ready(self, kernel, arrays, outs, attrs, device, cost_key, name):
         """Every op runs at its push here: run it without making an op (see Engine.run_ready);
@@ -54,8 +49,9 @@ class NaiveEngine(Engine):
         for a in arrays:
             if a._var.exc is not None:      # let push pass the input's error on
                 return False
-        self._op_budget(device)
+        budget = self._op_budget(device)
         with self._lock:
+            self._apply_budget(budget)
             err = self._run_now(kernel, arrays, outs, attrs, name, None)
         if err is not None:
             raise err
@@ -64,6 +60,7 @@ class NaiveEngine(Engine):
     def _push_op(self, op):
         op.budget = self._op_budget(op.key)
         with self._lock:
+            self._apply_budget(op.budget)
             err = self._execute(op)
         if err is not None:
             with self._err_lock:        # raised here, at the caller's line, not again later

@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 
-from .base import Engine, OpError, _Op
+from .base import _GROUP_META, Engine, OpError, _Op
 
 __all__ = ["ThreadedEngine"]
 
@@ -71,6 +71,16 @@ def _set_switch_interval():
     want = _env_switch_interval()
     if want > 0 and sys.getswitchinterval() == _PY_DEFAULT_INTERVAL:
         sys.setswitchinterval(want)
+
+
+_BLAS = []
+
+
+def _blas_module():
+    if not _BLAS:
+        from ..ops import _blas
+        _BLAS.append(_blas)
+    return _BLAS[0]
 
 
 class _Queue:
@@ -165,15 +175,16 @@ class ThreadedEngine(Engine):
 
     def _start_ok(self, budget):            # lock held
         """Whether an op pushed with ``budget`` may start now: no running op has another
-        budget. Then it is counted as running and the BLAS budget is set to its own."""
+        budget. Then it is counted as running and the BLAS budget is set to its own (also
+        when something else set another in between: ``blas_threads`` on exit)."""
         if budget is None:
             return True
         if self._mode_busy and self._mode != budget:
             return False
-        if self._mode != budget:
-            from ..ops import _blas
+        blas = _blas_module()
+        if self._mode != budget or blas._state["max"] != budget:
             self._mode = budget
-            _blas.set_budget(budget)
+            blas.set_budget(budget)
         self._mode_busy += 1
         return True
 
@@ -188,7 +199,8 @@ class ThreadedEngine(Engine):
         budget = self._op_budget(op.key)
         # only pure ops hold a budget: an op that may wait on another thread (an event, a
         # collective) must not keep ops of another budget from starting while it waits
-        op.budget = budget if op.pure else None
+        op.budget = budget if op.pure or op.meta is _GROUP_META else None   # (a bulk group's
+        # members are eager ops: gated even when one of them is not pure)
         op.seq = next(self._seq)
         pure = op.pure
         if pure:
