@@ -1184,3 +1184,40 @@ def test_blas_budget_survives_blas_threads_bulk_engine_switch_and_seed():
             "b = hl.engine.get_engine().blas_budget(); hl.random.seed(0); hl.waitall()\n"
             "print(b == hl.engine.get_engine().blas_budget())")
     assert run(seed) == ["True"]
+
+
+def test_op_of_an_older_budget_is_not_starved_by_a_stream_of_newer_ones():
+    """Budget gating without fairness: an op pushed with budget 2 before cpu(1) appeared
+    waited until a thread streaming budget-1 GEMMs on cpu(1) stopped (6.5 s in the break-it
+    pass). Now ops of the running budget yield to a waiting one."""
+    import subprocess
+    import sys
+    from hybridl.ops import _blas
+    if _blas.cores() < 2:
+        pytest.skip("one core: one budget")
+    code = r"""
+import threading, time, numpy as np, hybridl as hl
+A = np.ones((200, 200), np.float32)
+x = hl.nd.array(A); w = hl.nd.array(A)
+hl.nd.dot(x, w).asnumpy()                              # cpu(0) only: budget 2
+ev = threading.Event()
+hl.engine.push(lambda: ev.wait(), [], [x._var], hl.cpu(0), name="block")
+y = hl.nd.dot(x, w)                                    # budget 2, queued behind "block"
+x1 = hl.nd.array(A, device=hl.cpu(1)); w1 = hl.nd.array(A, device=hl.cpu(1))   # budget 1
+done = {}
+def stream():
+    stop = time.time() + 3.0
+    while time.time() < stop:
+        z = hl.nd.dot(x1, w1)
+    z.wait_to_read()
+    done.setdefault("first", "stream")
+t = threading.Thread(target=stream); t.start()
+time.sleep(0.2); ev.set()
+y.wait_to_read()
+done.setdefault("first", "op")
+t.join()
+print(done["first"])
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["op"]

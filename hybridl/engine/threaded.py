@@ -161,6 +161,7 @@ class ThreadedEngine(Engine):
         self._mode = None
         self._mode_busy = 0            # ops with a budget running (workers, inline, waiters)
         self._mode_waiters = 0
+        self._want = {}                # budget -> workers waiting to start an op with it
         self._mode_cv = threading.Condition(self._lock)
         self._gating = False           # the budget has changed once: run_ready takes the lock
 
@@ -181,6 +182,8 @@ class ThreadedEngine(Engine):
             return True
         if self._mode_busy and self._mode != budget:
             return False
+        if budget == self._mode and self._mode_waiters > self._want.get(budget, 0):
+            return False    # ops of another budget wait: let them go first (no starvation)
         blas = _blas_module()
         if self._mode != budget or blas._state["max"] != budget:
             self._mode = budget
@@ -378,11 +381,16 @@ class ThreadedEngine(Engine):
                 op = heapq.heappop(q.heap)
                 q.busy += 1
                 while not self._start_ok(op.budget):    # ops of another budget are running
+                    want = self._want
+                    want[op.budget] = want.get(op.budget, 0) + 1
                     self._mode_waiters += 1
+                    if not self._mode_busy:     # yielded to a waiter of another budget: wake
+                        self._mode_cv.notify_all()  # it (nothing running will notify)
                     try:
                         self._mode_cv.wait()
                     finally:
                         self._mode_waiters -= 1
+                        want[op.budget] -= 1
             self._execute(op)
 
     def _finish(self, op):                  # lock held
