@@ -52,7 +52,7 @@ def main(argv=None):
     try:
         return _trace(args)
     except (ValueError, OSError) as e:
-        print(f"hybridl trace: error: {e}", file=sys.stderr)
+        print(f"hybridl trace: error: {e}\n(the options: hybridl trace --help)", file=sys.stderr)
         return 2
 
 
@@ -60,6 +60,9 @@ def _trace(args):
     from . import autograd, data, engine, optim, profiler
     from . import loss as L
     from .train_cli import _load_data, _model, _setup
+    if args.dataset == "digits" and (args.data_dir or args.download):
+        raise ValueError(f"{'--data-dir' if args.data_dir else '--download'} is for --dataset "
+                         f"mnist or fashion-mnist; the digits ship with scikit-learn")
     devices = args.device
     if len(devices) > 1:
         raise ValueError(f"--device: tracing records one device, got {len(devices)}; "

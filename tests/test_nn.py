@@ -764,3 +764,15 @@ def test_initialize_twice_warns_and_keeps_values():
     np.testing.assert_array_equal(net.collect_params()["0.weight"].data().asnumpy(), w)
     net.initialize(hl.init.Constant(5.0), force_reinit=True)
     assert (net.collect_params()["0.weight"].data().asnumpy() == 5.0).all()
+
+
+def test_initialize_warning_points_at_the_callers_line_for_every_entry_point():
+    import warnings
+    net = _mlp((4,))
+    for call in (lambda: net.initialize(), lambda: net.collect_params().initialize(),
+                 lambda: net.collect_params()["0.weight"].initialize()):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            call()
+        assert len(w) == 1 and w[0].category is RuntimeWarning
+        assert w[0].filename == __file__, w[0].filename

@@ -126,7 +126,7 @@ class Block:
             device: a Device or a list of Devices (one copy of each parameter per device).
             force_reinit: re-initialize parameters that already have values.
         """
-        self.collect_params().initialize(init, device, force_reinit)
+        self.collect_params().initialize(init, device, force_reinit, _stacklevel=3)
         return self
 
     def zero_grad(self):

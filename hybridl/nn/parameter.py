@@ -76,13 +76,21 @@ class Parameter:
         return self._shape is not None and all(s > 0 for s in self._shape)
 
     # ------------------------------------------------------------------ initialization
-    def initialize(self, init=None, device=None, default_init=None, force_reinit=False):
+    def initialize(self, init=None, device=None, default_init=None, force_reinit=False,
+                   _warn=True):
         """Allocate and fill the parameter on ``device`` (a Device or a list of Devices).
 
         The parameter's own ``init`` wins over ``init``, which wins over ``default_init``.
         When the shape is not yet known the initialization is deferred to the first forward.
+        A parameter that already has values keeps them unless ``force_reinit`` (a
+        RuntimeWarning says so).
         """
         if self._data is not None and not force_reinit:
+            if _warn:
+                import warnings
+                warnings.warn(f"initialize: parameter {self.name!r} is already initialized and "
+                              f"was left as it is; pass force_reinit=True to initialize it "
+                              f"again", RuntimeWarning, stacklevel=2)
             return
         devices = _devices(device)
         chosen = self.init or _init.create(init) or _init.create(default_init) or _init.Xavier()
@@ -239,7 +247,7 @@ def _devices(device):
 class ParameterDict(OrderedDict):
     """An ordered ``name -> Parameter`` mapping with bulk helpers."""
 
-    def initialize(self, init=None, device=None, force_reinit=False):
+    def initialize(self, init=None, device=None, force_reinit=False, _stacklevel=2):
         """Initialize every parameter (see :meth:`Parameter.initialize`). Parameters that
         already have values keep them unless ``force_reinit``; a RuntimeWarning names them (a
         second ``net.initialize(...)`` with another initializer or device otherwise silently
@@ -250,9 +258,9 @@ class ParameterDict(OrderedDict):
             warnings.warn(f"initialize: {len(kept)} parameter(s) already initialized were left "
                           f"as they are ({', '.join(kept[:4])}{', ...' if len(kept) > 4 else ''});"
                           f" pass force_reinit=True to initialize them again", RuntimeWarning,
-                          stacklevel=3)
+                          stacklevel=_stacklevel)
         for p in self.values():
-            p.initialize(None, device, default_init=init, force_reinit=force_reinit)
+            p.initialize(None, device, default_init=init, force_reinit=force_reinit, _warn=False)
 
     def zero_grad(self):
         """Zero every gradient buffer."""

@@ -71,8 +71,9 @@ class ShardParameter(Parameter):
         self.home = Device.parse(device)
         self._group, self._index = group, index
 
-    def initialize(self, init=None, device=None, default_init=None, force_reinit=False):
-        return super().initialize(init, self.home, default_init, force_reinit)
+    def initialize(self, init=None, device=None, default_init=None, force_reinit=False,
+                   _warn=True):
+        return super().initialize(init, self.home, default_init, force_reinit, _warn)
 
     def _init_now(self, init, devices):
         g = self._group
