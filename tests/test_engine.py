@@ -964,3 +964,16 @@ def test_set_engine_context_switches_back_even_when_leaving_raises():
                     raise ValueError("boom")
                 eng.push(boom, [], [Var("x")])
         assert hl.engine.get_engine() is naive      # restored although the exit raised
+
+
+@pytest.mark.parametrize("kind", ["naive", "threaded"])
+def test_push_refuses_an_unhashable_pure_key_on_both_engines(kind):
+    from hybridl.engine import NaiveEngine, ThreadedEngine
+    eng = NaiveEngine() if kind == "naive" else ThreadedEngine()
+    try:
+        with pytest.raises(TypeError, match="pure: expected a bool or a hashable cost key"):
+            eng.push(lambda: None, [], [Var()], hl.cpu(0), pure=[1])
+        eng.push(lambda: None, [], [Var()], hl.cpu(0), pure=("key", 1))
+        eng.waitall()
+    finally:
+        eng.shutdown()

@@ -776,3 +776,16 @@ def test_initialize_warning_points_at_the_callers_line_for_every_entry_point():
             call()
         assert len(w) == 1 and w[0].category is RuntimeWarning
         assert w[0].filename == __file__, w[0].filename
+
+
+def test_load_parameters_reports_shapes_with_missing_names(tmp_path):
+    """Missing names and shape mismatches in one error (they came one at a time)."""
+    from safetensors.numpy import save_file
+    net = _mlp((4, 3))
+    path = str(tmp_path / "p.safetensors")
+    save_file({"0.weight": np.zeros((5, 5), np.float32), "0.bias": np.zeros(4, np.float32)}, path)
+    with pytest.raises(ValueError) as e:
+        net.load_parameters(path)
+    msg = str(e.value)
+    assert "it lacks parameters ['1.weight', '1.bias']" in msg
+    assert "parameter '0.weight' has shape (4, 5) in the network but (5, 5) in the file" in msg

@@ -179,10 +179,17 @@ class Engine:
                 error raised by ``fn`` itself still marks them.
 
         Raises:
-            TypeError: ``fn`` is not callable or a read/write is not a Var.
+            TypeError: ``fn`` is not callable, a read/write is not a Var, or ``pure`` is
+                neither a bool nor hashable.
         """
         if not callable(fn):
             raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
+        if pure is not True and pure is not False:
+            try:
+                hash(pure)              # a cost key (both engines: the threaded one uses it)
+            except TypeError:
+                raise TypeError(f"pure: expected a bool or a hashable cost key, got "
+                                f"{type(pure).__name__} {pure!r}") from None
         reads = list(reads)
         writes = list(writes)
         for v in reads:

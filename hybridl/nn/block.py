@@ -180,15 +180,14 @@ class Block:
         params = self.collect_params()
         missing = [n for n in params if n not in loaded]
         extra = [n for n in loaded if n not in params]
-        problems = []                       # both kinds at once: a file of another model
-        if missing and not allow_missing:   # usually has both
-            problems.append(f"lacks parameters {missing} (pass allow_missing=True to keep "
+        problems = []                       # every kind at once: a file of another model
+        if missing and not allow_missing:   # usually has several
+            problems.append(f"it lacks parameters {missing} (pass allow_missing=True to keep "
                             f"their current values)")
         if extra and not ignore_extra:
-            problems.append(f"has parameters {extra} that this network does not have (pass "
+            problems.append(f"it has parameters {extra} that this network does not have (pass "
                             f"ignore_extra=True to skip them)")
-        if problems:
-            raise ValueError(f"load_parameters: {path!r} " + "; and it ".join(problems))
+        shapes = []
         for name, p in params.items():
             if name not in loaded:
                 continue
@@ -198,8 +197,17 @@ class Block:
                 val = loaded[name] = val.reshape(())    # a 0-d parameter saved as [1] before
             if shp is not None and (len(shp) != val.ndim or
                                     any(a and a != b for a, b in zip(shp, val.shape))):
-                raise ValueError(f"load_parameters: parameter {name!r} has shape {p.shape} in the "
-                                 f"network but {tuple(val.shape)} in {path!r}")
+                shapes.append(f"parameter {name!r} has shape {p.shape} in the network but "
+                              f"{tuple(val.shape)} in the file")
+        if shapes:                          # every kind of mismatch in one error
+            problems.append(", ".join(shapes[:6]) + (f" (and {len(shapes) - 6} more)"
+                                                      if len(shapes) > 6 else ""))
+        if problems:
+            raise ValueError(f"load_parameters: {path!r}: " + "; ".join(problems))
+        for name, p in params.items():
+            if name not in loaded:
+                continue
+            val = loaded[name]
             if val.dtype != p.dtype:
                 if not cast_dtype:
                     raise ValueError(f"load_parameters: parameter {name!r} is {p.dtype} in the "
