@@ -1221,3 +1221,26 @@ print(done["first"])
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["op"]
+
+
+def test_naive_engine_reproduces_a_threaded_engine_with_two_workers_per_device():
+    """The device count was multiplied by each engine's own workers per device, so after a
+    2-worker threaded engine (1 BLAS thread each on 2 cores) the naive engine used 2 threads:
+    other bits (test_segments failed in some test orders once the budget took effect)."""
+    import subprocess
+    import sys
+    code = r"""
+import hashlib, numpy as np, hybridl as hl
+r = np.random.default_rng(0)
+a = r.standard_normal((300, 500)).astype(np.float32)
+b = r.standard_normal((500, 300)).astype(np.float32)
+out = []
+for eng in (hl.engine.ThreadedEngine(num_workers=2), "naive"):
+    with hl.engine.set_engine(eng):
+        out.append(hashlib.sha1(hl.nd.dot(hl.nd.array(a), hl.nd.array(b)).asnumpy()
+                                .tobytes()).hexdigest())
+print(out[0] == out[1])
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True"]

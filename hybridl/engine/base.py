@@ -330,12 +330,12 @@ class Engine:
         return None
 
     def blas_budget(self):
-        """BLAS threads per GEMM of an op pushed now: ``cores() // (devices x workers)``,
-        where devices counts the devices pushed to so far in this process, by any engine, in
-        push order (and the MPI communication queue, whose thread polls the network; not the
-        copy and synchronization queues, which move memory or sleep), and workers is the
-        worker threads per device (1 for the naive engine, as for the threaded engine's
-        default), so that workers x BLAS threads <= cores when they all compute (see
+        """BLAS threads per GEMM of an op pushed now: ``cores() // workers``, where workers
+        sums, over the devices pushed to so far in this process in push order, the worker
+        threads per device of the engine that pushed to it first (1 for the naive engine, as
+        for the threaded engine's default; the MPI communication queue counts too, its thread
+        polls the network; not the copy and synchronization queues, which move memory or
+        sleep), so that workers x BLAS threads <= cores when they all compute (see
         :func:`hybridl.ops._blas.cores`).
 
         Each pure op runs with the budget of its push, wherever and whenever it runs: the
@@ -346,7 +346,7 @@ class Engine:
         engines."""
         if self._gen != _KEYS["gen"]:
             from ..ops import _blas
-            n = _KEYS["busy"] * self._workers_per_key()
+            n = _KEYS["busy"]
             self._gen = _KEYS["gen"]
             self._budget_changed(max(1, _blas.cores() // max(1, n)))
         return self._budget
@@ -363,7 +363,9 @@ class Engine:
                 if key not in _KEYS["seen"]:
                     _KEYS["seen"].add(key)
                     if type(key) is not tuple or (key and key[0] in _BUSY_QUEUES):
-                        _KEYS["busy"] += 1
+                        # the worker threads of the engine that uses the device first; the
+                        # count stays when the program switches engines
+                        _KEYS["busy"] += self._workers_per_key()
                         _KEYS["gen"] += 1
         if self._gen != _KEYS["gen"]:
             self.blas_budget()
