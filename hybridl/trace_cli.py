@@ -59,10 +59,9 @@ def main(argv=None):
 def _trace(args):
     from . import autograd, data, engine, optim, profiler
     from . import loss as L
-    from .train_cli import _load_data, _model, _setup
-    if args.dataset == "digits" and (args.data_dir or args.download):
-        raise ValueError(f"{'--data-dir' if args.data_dir else '--download'} is for --dataset "
-                         f"mnist or fashion-mnist; the digits ship with scikit-learn")
+    from .train_cli import _digits_data_option, _load_data, _model, _setup
+    if _digits_data_option(args):
+        raise ValueError(_digits_data_option(args))
     devices = args.device
     if len(devices) > 1:
         raise ValueError(f"--device: tracing records one device, got {len(devices)}; "

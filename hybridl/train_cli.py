@@ -308,6 +308,15 @@ def lr_schedule(args, steps_per_epoch):
     return cosine_lr(args.lr, max(1, args.epochs * steps_per_epoch))
 
 
+def _digits_data_option(args):
+    """The error for --data-dir/--download given with --dataset digits (which ignores them:
+    the digits ship with scikit-learn), or None; ``hybridl train`` and ``trace`` share it."""
+    if args.dataset == "digits" and (args.data_dir or args.download):
+        return (f"{'--data-dir' if args.data_dir else '--download'} is for --dataset mnist "
+                f"or fashion-mnist; the digits ship with scikit-learn")
+    return None
+
+
 def _usage_error(msg):
     """Print ``msg`` as ``hybridl train``'s error with the pointer to --help; exit code 2."""
     print(f"hybridl train: error: {msg}\n(the options: hybridl train --help)", file=sys.stderr)
@@ -334,10 +343,9 @@ def main_train(argv=None):
                             f"(the strategy is {args.strategy})")
     args.microbatches = 4 if args.microbatches is None else args.microbatches
     args.schedule = "1f1b" if args.schedule is None else args.schedule
-    if args.dataset == "digits" and (args.data_dir or args.download):
-        return _usage_error(f"{'--data-dir' if args.data_dir else '--download'} is for "
-                            f"--dataset mnist or fashion-mnist; the digits ship with "
-                            f"scikit-learn")
+    bad = _digits_data_option(args)
+    if bad:
+        return _usage_error(bad)
     if args.save and len(devs) > 1 and args.strategy != "data":
         return _usage_error(f"--save is supported with --strategy data (or one device); the "
                             f"{args.strategy} strategy splits the parameters across devices")

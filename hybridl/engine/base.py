@@ -132,6 +132,17 @@ class _Op:
         return (-self.priority, self.seq) < (-other.priority, other.seq)
 
 
+_BLAS = []
+
+
+def _blas_module():
+    """hybridl.ops._blas (imported on first use: the ops package imports the engine)."""
+    if not _BLAS:
+        from ..ops import _blas
+        _BLAS.append(_blas)
+    return _BLAS[0]
+
+
 # Queue keys pushed to in this process, by any engine (see Engine.blas_budget): devices, and
 # tuple keys whose first element is in _BUSY_QUEUES, count; "gen" changes with the count
 _KEYS = {"seen": set(), "busy": 0, "gen": 0}
@@ -345,10 +356,9 @@ class Engine:
         results for the same program, on one device or several, also when a program switches
         engines."""
         if self._gen != _KEYS["gen"]:
-            from ..ops import _blas
             n = _KEYS["busy"]
             self._gen = _KEYS["gen"]
-            self._budget_changed(max(1, _blas.cores() // max(1, n)))
+            self._budget_changed(max(1, _blas_module().cores() // max(1, n)))
         return self._budget
 
     def _workers_per_key(self):

@@ -6,7 +6,7 @@ failing op: the debugging switch.
 import contextlib
 import threading
 
-from .base import Engine, _Bulk
+from .base import Engine, _blas_module, _Bulk
 
 __all__ = ["NaiveEngine"]
 
@@ -37,9 +37,9 @@ class NaiveEngine(Engine):
     def _apply_budget(self, budget):
         """Ops run at their push, one at a time: each with the budget of its push."""
         if budget is not None:
-            from ..ops import _blas
-            if _blas._state["max"] != budget:
-                _blas.set_budget(budget)
+            blas = _blas_module()
+            if blas._state["max"] != budget:
+                blas.set_budget(budget)
 
     def run_ready(self, kernel, arrays, outs, attrs, device, cost_key, name):
         """Every op runs at its push here: run it without making an op (see Engine.run_ready);

@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 
-from .base import _GROUP_META, Engine, OpError, _Op
+from .base import _GROUP_META, Engine, OpError, _blas_module, _Op
 
 __all__ = ["ThreadedEngine"]
 
@@ -71,16 +71,6 @@ def _set_switch_interval():
     want = _env_switch_interval()
     if want > 0 and sys.getswitchinterval() == _PY_DEFAULT_INTERVAL:
         sys.setswitchinterval(want)
-
-
-_BLAS = []
-
-
-def _blas_module():
-    if not _BLAS:
-        from ..ops import _blas
-        _BLAS.append(_blas)
-    return _BLAS[0]
 
 
 class _Queue:
