@@ -84,8 +84,11 @@ class L1Loss(Loss):
 
 
 class SigmoidBinaryCrossEntropyLoss(Loss):
-    """Binary cross-entropy; with ``from_sigmoid=False`` (default) pred are logits and the
-    stable form max(x, 0) - x z + log(1 + exp(-|x|)) is used."""
+    """Binary cross-entropy; with ``from_sigmoid=False`` (default) pred are logits x and
+    ``(1 - z) softplus(x) + z softplus(-x)`` (equal to ``softplus(x) - x z``) is used: each
+    term is exact where it dominates (no cancellation for confident predictions), and its
+    gradient is ``sigmoid(x) - z`` everywhere, also at ``x = 0`` (the form
+    ``max(x, 0) - x z + log(1 + exp(-|x|))`` differentiates max and |.| at their kinks)."""
 
     def __init__(self, from_sigmoid=False, weight=None, batch_axis=0):
         super().__init__(weight, batch_axis)
@@ -94,7 +97,7 @@ class SigmoidBinaryCrossEntropyLoss(Loss):
     def forward(self, pred, label):
         self._check(pred, label, "SigmoidBinaryCrossEntropyLoss")
         if not self._from_sigmoid:
-            loss = F.relu(pred) - pred * label + F.softplus(-F.abs(pred))
+            loss = F.softplus(pred) * (1.0 - label) + F.softplus(-pred) * label
         else:
             eps = 1e-12
             loss = -(F.log(pred + eps) * label + F.log(1.0 - pred + eps) * (1.0 - label))

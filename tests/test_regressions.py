@@ -1244,3 +1244,25 @@ print(out[0] == out[1])
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True"]
+
+
+def test_sigmoid_bce_gradient_at_zero_logit_and_extreme_values():
+    # d/dx [softplus(x) - x z] = sigmoid(x) - z, also at x = 0 (a zero-initialised output
+    # layer's first step); the former form gave 0 and -1 there (kinks of max and |.|)
+    loss = hl.loss.SigmoidBinaryCrossEntropyLoss()
+    x = np.array([[-100., -20., -1., 0., 1e-3, 1., 20., 100.]], dtype=np.float32)
+    for z in (0.0, 1.0, 0.3):
+        p = nd.array(x)
+        p.attach_grad()
+        zz = np.full_like(x, z)
+        with ag.record():
+            out = loss(p, nd.array(zz))
+        out.backward()
+        x64 = x.astype(np.float64)
+        ref = np.logaddexp(0.0, x64) - x64 * z
+        np.testing.assert_allclose(out.asnumpy(), ref.mean(axis=1), rtol=1e-6)
+        np.testing.assert_allclose(p.grad.asnumpy(), (1 / (1 + np.exp(-x64)) - z) / x.shape[1],
+                                   rtol=1e-5, atol=1e-9)
+    # confident and right: the loss is tiny but exact, not 0 from cancellation
+    tiny = loss(nd.array([[20.0]]), nd.array([[1.0]])).asnumpy()[0]
+    np.testing.assert_allclose(tiny, np.log1p(np.exp(-20.0)), rtol=1e-5)
