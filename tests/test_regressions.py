@@ -1266,3 +1266,33 @@ def test_sigmoid_bce_gradient_at_zero_logit_and_extreme_values():
     # confident and right: the loss is tiny but exact, not 0 from cancellation
     tiny = loss(nd.array([[20.0]]), nd.array([[1.0]])).asnumpy()[0]
     np.testing.assert_allclose(tiny, np.log1p(np.exp(-20.0)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("hybridize", [False, True])
+def test_first_call_of_a_deferred_net_from_two_threads(hybridize):
+    # the first forward draws the deferred parameters: a second thread calling at the same
+    # moment saw an empty data dict ("no copy on cpu(0)") or a DeferredInitializationError
+    x = nd.array(np.random.default_rng(0).standard_normal((3, 32)).astype(np.float32))
+    for trial in range(12):
+        net = nn.HybridSequential()
+        net.add(nn.Dense(8, activation="relu"), nn.BatchNorm(), nn.Dense(4))
+        net.initialize()
+        if hybridize:
+            net.hybridize()
+        gate = threading.Barrier(2)
+        outs, errs = [None, None], []
+
+        def call(i):
+            gate.wait()
+            try:
+                outs[i] = net(x).asnumpy()
+            except Exception as e:  # noqa: BLE001 - reported below
+                errs.append(e)
+        ts = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert not errs, f"trial {trial}: {errs[0]!r}"
+        np.testing.assert_array_equal(outs[0], outs[1])   # one set of initial values
+        np.testing.assert_array_equal(outs[0], net(x).asnumpy())

@@ -1,5 +1,6 @@
 """Parameter: a named array (one copy per device) with its gradient and training settings."""
 import re
+import threading
 from collections import OrderedDict
 
 from .. import init as _init
@@ -12,6 +13,10 @@ __all__ = ["Parameter", "ParameterDict", "DeferredInitializationError"]
 
 class DeferredInitializationError(RuntimeError):
     """A parameter's shape is not known yet: run one forward pass first."""
+
+
+# one lock for every deferred initialization (rare: each parameter's first forward)
+_DEFERRED_LOCK = threading.RLock()
 
 
 class Parameter:
@@ -52,12 +57,15 @@ class Parameter:
 
     @shape.setter
     def shape(self, new):
+        self._shape = self._compatible(new)
+
+    def _compatible(self, new):
         new = tuple(int(s) for s in new)
         if self._shape is not None:
             if len(new) != len(self._shape) or any(a and a != b for a, b in zip(self._shape, new)):
                 raise ValueError(f"Parameter {self.name!r}: expected shape compatible with "
                                  f"{self._shape}, got {new}")
-        self._shape = new
+        return new
 
     @property
     def grad_req(self):
@@ -103,26 +111,32 @@ class Parameter:
             return
         self._init_now(chosen, devices)
 
-    def _init_now(self, init, devices):
+    def _init_now(self, init, devices, shape=None):
         from ..graph import trace as _trace
         # initial values are drawn eagerly, once, even when a traced forward finishes a
         # deferred initialization: they are the parameter's values, not part of the program
         with _trace.tracing(None):
-            first = init(self._shape, self.dtype, devices[0])
-        self._data = OrderedDict()
+            first = init(self._shape if shape is None else shape, self.dtype, devices[0])
+        data = OrderedDict()
         for d in devices:
             arr = first if d == devices[0] else first.copyto(d)
             if self._grad_req != "null":
                 arr.attach_grad(self._grad_req)
-            self._data[d] = arr
+            data[d] = arr
+        self._data = data                   # published complete (other threads read it)
         self._deferred = None
 
     def _finish_deferred_init(self, shape):
-        """Called by a layer on its first forward once it knows ``shape``."""
-        self.shape = shape
-        if self._deferred is not None and self._data is None:
-            init, devices = self._deferred
-            self._init_now(init, devices)
+        """Called by a layer on its first forward once it knows ``shape``. Thread-safe: when
+        several threads make the first call at once, one draws the values and the others
+        wait for them; the shape becomes known only with the values (a layer that sees the
+        shape known reads the data without waiting)."""
+        with _DEFERRED_LOCK:
+            new = self._compatible(shape)
+            if self._deferred is not None and self._data is None:
+                init, devices = self._deferred
+                self._init_now(init, devices, new)
+            self._shape = new
 
     # ------------------------------------------------------------------ access
     def _check_init(self):
