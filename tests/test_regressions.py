@@ -1296,3 +1296,30 @@ def test_first_call_of_a_deferred_net_from_two_threads(hybridize):
         assert not errs, f"trial {trial}: {errs[0]!r}"
         np.testing.assert_array_equal(outs[0], outs[1])   # one set of initial values
         np.testing.assert_array_equal(outs[0], net(x).asnumpy())
+
+
+def test_parallel_segments_outputs_never_alias_inputs_parameters_or_each_other():
+    class R(nn.HybridBlock):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Dense(2, in_units=3)
+
+        def forward(self, x):
+            y = self.fc(x)
+            return x * 1, self.fc.weight.data(), y, y
+
+    x = nd.ones((4, 3))
+    for seg in (False, True):
+        net = R()
+        net.initialize()
+        w0 = net.fc.weight.data().asnumpy()
+        net.hybridize(parallel_segments=seg)
+        o = net(x)
+        assert o[0] is not x and o[1] is not net.fc.weight.data() and o[2] is not o[3]
+        o[0][:] = 7
+        o[1][:] = 5
+        o[2][:] = 3
+        np.testing.assert_array_equal(x.asnumpy(), np.ones((4, 3)))
+        np.testing.assert_array_equal(net.fc.weight.data().asnumpy(), w0)
+        np.testing.assert_allclose(o[3].asnumpy(), np.ones((4, 3)) @ w0.T
+                                   + net.fc.bias.data().asnumpy(), rtol=1e-6)

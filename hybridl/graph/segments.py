@@ -158,13 +158,19 @@ class SegmentedProgram:
             res = res if isinstance(res, tuple) else (res,)
             for o, r in zip(outs, res):
                 vals[o] = r
-        out = []
+        out, seen = [], set()
         for s in self.graph.outputs:
             if s.node.kind == "const":
                 from .. import nd
                 out.append(nd.array(s.node.value))
-            else:
-                out.append(vals[s.key()])
+                continue
+            v = vals[s.key()]
+            # an input (or a parameter) returned as it is, or one value returned twice: a
+            # copy, as a one-op program gives (outputs never alias inputs or each other)
+            if s.node.kind != "op" or s.key() in seen:
+                v = v.copyto(v.device)
+            seen.add(s.key())
+            out.append(v)
         return tuple(out)
 
     def __repr__(self):
