@@ -1323,3 +1323,37 @@ def test_parallel_segments_outputs_never_alias_inputs_parameters_or_each_other()
         np.testing.assert_array_equal(net.fc.weight.data().asnumpy(), w0)
         np.testing.assert_allclose(o[3].asnumpy(), np.ones((4, 3)) @ w0.T
                                    + net.fc.bias.data().asnumpy(), rtol=1e-6)
+
+
+def test_jit_function_called_inside_a_trace_is_inlined_and_one_static_name_as_str():
+    @hl.jit
+    def gelu(x):
+        return x * nd.sigmoid(1.702 * x)
+
+    @hl.jit
+    def outer(x):
+        return gelu(x) + 1
+
+    class M(nn.HybridBlock):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Dense(3, in_units=4)
+
+        def forward(self, x):
+            return gelu(self.fc(x))
+
+    x = nd.array(np.linspace(-2, 2, 8, dtype=np.float32).reshape(2, 4))
+    m = M()
+    m.initialize()
+    eager = m(x).asnumpy()
+    m.hybridize()
+    np.testing.assert_allclose(m(x).asnumpy(), eager, rtol=1e-6)
+    xn = x.asnumpy()
+    np.testing.assert_allclose(outer(x).asnumpy(), xn / (1 + np.exp(-1.702 * xn)) + 1, rtol=1e-6)
+
+    @hl.jit(static_argnames="axis")
+    def total(x, axis=0):
+        return x.sum(axis=axis)
+    np.testing.assert_allclose(total(x, axis=1).asnumpy(), xn.sum(axis=1), rtol=1e-6)
+    with pytest.raises(TypeError, match="static_argnames"):
+        hl.jit(lambda x: x, static_argnames=[1])

@@ -307,11 +307,20 @@ class _JitFunction:
     def __init__(self, fn, static_argnames, passes):
         functools.update_wrapper(self, fn)
         self._fn = fn
+        if isinstance(static_argnames, str):    # one name, as jax.jit takes it
+            static_argnames = (static_argnames,)
         self._static = tuple(static_argnames or ())
+        bad = [a for a in self._static if not isinstance(a, str) or not a.isidentifier()]
+        if bad:
+            raise TypeError(f"static_argnames: expected argument names (str), got {bad!r}")
         self._passes = passes
         self._cache = _Cache()
 
     def __call__(self, *args, **kwargs):
+        if _trace._tls.__dict__.get("ctx") is not None:
+            # called while another program is being traced (from a hybridized forward or
+            # another jit function): inlined into that program, like a child block
+            return self._fn(*args, **kwargs)
         static = {k: kwargs.pop(k) for k in list(kwargs) if k in self._static}
         if kwargs:
             raise TypeError(f"{self._fn.__name__}: keyword arguments {sorted(kwargs)} are not "
@@ -387,8 +396,22 @@ def _hashable(v):
 def jit(fn=None, *, static_argnames=None, passes=None):
     """Compile a function of NDArrays (``@hl.jit`` or ``@hl.jit(static_argnames=('n',))``).
 
-    The function is traced on its first call per signature; static arguments (by name) are
-    Python values baked into the program, one program per distinct value.
+    The function is traced on its first call per signature (input shapes, dtypes, devices,
+    training mode, autograd recording); static arguments (by name, passed by keyword) are
+    Python values baked into the program, one program per distinct value. Called while
+    another program is being traced (inside a hybridized forward or another jit function),
+    it is inlined into that program.
+
+    Args:
+        fn: the function; positional arguments NDArrays, returns an NDArray or a tuple.
+        static_argnames (str or sequence of str): names of keyword arguments that select
+            the program (a single name may be given as a str, as in ``jax.jit``).
+        passes (list of str): graph passes (default: all, see :mod:`hybridl.graph.passes`).
+
+    Raises:
+        TypeError: ``static_argnames`` not names; at a call, a positional argument that is
+            not an NDArray, or a keyword argument that is not static.
+        TracingError: the function branches on a traced value (see :class:`TracingError`).
     """
     if fn is None:
         return lambda f: _JitFunction(f, static_argnames, passes)
