@@ -766,12 +766,20 @@ def arange(start, stop=None, step=1, dtype=None, device=None):
 
 
 def zeros_like(x, dtype=None):
-    """Zeros with ``x``'s shape, device and (unless given) dtype."""
+    """Zeros with ``x``'s shape, device and (unless given) dtype. Of a traced array (inside
+    hybridized code) a traced value of the program."""
+    if not isinstance(x, NDArray):
+        y = M.zeros_like_op(x)
+        return y if dtype is None else M.cast(y, dtype)
     return zeros(x.shape, dtype or x.dtype, x.device)
 
 
 def ones_like(x, dtype=None):
-    """Ones with ``x``'s shape, device and (unless given) dtype."""
+    """Ones with ``x``'s shape, device and (unless given) dtype. Of a traced array (inside
+    hybridized code) a traced value of the program."""
+    if not isinstance(x, NDArray):
+        y = M.ones_like_op(x)
+        return y if dtype is None else M.cast(y, dtype)
     return ones(x.shape, dtype or x.dtype, x.device)
 
 

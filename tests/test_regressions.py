@@ -1357,3 +1357,41 @@ def test_jit_function_called_inside_a_trace_is_inlined_and_one_static_name_as_st
     np.testing.assert_allclose(total(x, axis=1).asnumpy(), xn.sum(axis=1), rtol=1e-6)
     with pytest.raises(TypeError, match="static_argnames"):
         hl.jit(lambda x: x, static_argnames=[1])
+
+
+def test_trace_refuses_what_would_silently_differ_from_eager():
+    x = nd.array([1.0, 2.0, 3.0])
+    x.attach_grad()
+    w = nd.array([1.0, 1.0, 1.0])
+    w.attach_grad()
+    # a captured array that needs a gradient: compiled, it would be a constant (zero gradient)
+    with pytest.raises(hl.TracingError, match="captured"):
+        with ag.record():
+            hl.jit(lambda a: a * w)(x)
+    np.testing.assert_array_equal(hl.jit(lambda a: a * w)(x).asnumpy(), [1, 2, 3])  # predict: ok
+
+    def bump(a):
+        a += 1
+        return a
+    with pytest.raises(hl.TracingError, match="in-place"):
+        hl.jit(bump)(nd.ones(3))
+    np.testing.assert_array_equal(bump(nd.ones(3)).asnumpy(), [2, 2, 2])
+
+    def inter(a):                   # in place on an intermediate value: same result as eager
+        y = a * 2
+        y += 1
+        return y
+    np.testing.assert_array_equal(hl.jit(inter)(nd.ones(3)).asnumpy(), inter(nd.ones(3)).asnumpy())
+
+    def setitem(a):
+        y = a * 2
+        y[0] = 5
+        return y
+    with pytest.raises(hl.TracingError, match="item assignment"):
+        hl.jit(setitem)(nd.ones(3))
+    # zeros_like / ones_like of a traced value are traced values (an output, not a constant)
+    z, o = hl.jit(lambda a: (nd.zeros_like(a) + 1, nd.ones_like(a, dtype="int32")))(nd.ones(2))
+    np.testing.assert_array_equal(z.asnumpy(), [1, 1])
+    assert o.dtype == np.int32
+    with pytest.raises(hl.TracingError, match="depends on no input"):
+        hl.jit(lambda a: nd.ones((2,)))(nd.ones(2))

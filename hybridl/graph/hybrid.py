@@ -42,6 +42,7 @@ class _TraceCtx:
         self.side_effects = []    # (Parameter, Symbol), in program order
         self.current = {}         # id(param) -> Symbol of its last write in this program
         self.owner = {}           # key of a written Symbol -> its Parameter
+        self.recording = False    # autograd was recording at the call being traced
 
     def param_value(self, param):
         """The parameter's value at this point of the program: its last write in the traced
@@ -76,6 +77,7 @@ def trace_graph(fn, args, static=None):
     """Trace ``fn(*args)`` on symbolic inputs. Returns (graph inputs, user outputs, single?,
     ctx) where graph inputs are the data inputs followed by the parameters read."""
     ctx = _TraceCtx()
+    ctx.recording = autograd.is_recording()
     syms = [Node("input", specs=[(tuple(a.shape), a.dtype)], name=f"data{i}").out()
             for i, a in enumerate(args)]
     with _trace.tracing(ctx), autograd.pause(autograd.is_training()):
@@ -85,8 +87,13 @@ def trace_graph(fn, args, static=None):
     from .ir import Symbol
     for i, o in enumerate(outs):
         if not isinstance(o, Symbol):
-            raise TracingError(f"hybridized forward must return traced arrays; output {i} is "
-                               f"{type(o).__name__}")
+            what = ("an NDArray that depends on no input or parameter (created or captured "
+                    "in the traced code, so it is not computed by the program)"
+                    if isinstance(o, NDArray) else type(o).__name__)
+            raise TracingError(f"hybridized forward must return arrays computed from its inputs "
+                               f"or parameters (an array, or a tuple or list of them); output {i} "
+                               f"is {what}. Compute it from an input (e.g. hl.nd.zeros_like(x) "
+                               f"+ 1), or return it outside the hybridized call")
     # an output that is a program input is returned as a copy (outputs never alias inputs)
     outs = [M.identity(o) if o.node.kind in ("input", "param") else o for o in outs]
     return syms + [ctx.syms[id(p)] for p in ctx.params], outs, single, ctx

@@ -149,6 +149,34 @@ class Symbol:
         ctx.current[id(param)] = src            # later reads in this program see the write
         ctx.owner[src.key()] = param
 
+    def __setitem__(self, key, value):
+        raise TracingError(
+            f"item assignment to a traced array (x[...] = v) while hybridizing, at "
+            f"{_user_site()}: a compiled program computes new arrays instead; build the result "
+            f"with hl.nd.where(mask, v, x) or hl.nd.concat, or run this block imperatively "
+            f"with net.hybridize(False) (or without @hl.jit)")
+
+    def _inplace(self, fn, other, sym):
+        if self.node.kind in ("input", "param"):
+            what = "a parameter" if self.node.kind == "param" else "an input of the traced code"
+            raise TracingError(
+                f"in-place update (x {sym}= ...) of {what} while hybridizing, at "
+                f"{_user_site()}: run imperatively it changes the caller's array, compiled it "
+                f"would not; write y = x {sym} ... (a new array) instead")
+        return fn(self, other)              # an intermediate value: the new array rebinds it
+
+    def __iadd__(self, other):
+        return self._inplace(M.add, other, "+")
+
+    def __isub__(self, other):
+        return self._inplace(M.subtract, other, "-")
+
+    def __imul__(self, other):
+        return self._inplace(M.multiply, other, "*")
+
+    def __itruediv__(self, other):
+        return self._inplace(M.divide, other, "/")
+
     def astype(self, dtype, copy=True):
         return M.cast(self, dtype)
 
@@ -231,6 +259,14 @@ def _symbolic(op, inputs, attrs):
         if isinstance(x, Symbol):
             syms.append(x)
         elif isinstance(x, NDArray):                  # a non-parameter array: baked in
+            from . import trace as _trace
+            ctx = _trace.current_context()
+            if getattr(ctx, "recording", False) and (x._grad_req != "null" or x._ag is not None):
+                raise TracingError(
+                    f"{op.name}: an array that needs a gradient (attach_grad) is captured by "
+                    f"the traced code (a closure or an attribute, not an argument), at "
+                    f"{_user_site()}; a compiled program takes it as a constant, so no gradient "
+                    f"would reach it: pass it as an argument, or make it a Parameter")
             syms.append(const(x.asnumpy()))
         elif isinstance(x, (numbers.Number, np.number, np.bool_)):
             syms.append(const(np.asarray(x, _scalar_dtype(x, like))))

@@ -75,14 +75,14 @@ class ShardParameter(Parameter):
                    _warn=True):
         return super().initialize(init, self.home, default_init, force_reinit, _warn)
 
-    def _init_now(self, init, devices):
+    def _init_now(self, init, devices, shape=None):
         g = self._group
         if g is None or g.sizes is None:
-            return super()._init_now(init, devices)
+            return super()._init_now(init, devices, shape)
 
         def sliced(shape, dtype, device):
             return g.shard(self._index, init, shape, dtype, device)
-        return super()._init_now(sliced, devices)
+        return super()._init_now(sliced, devices, shape)
 
     def reset_device(self, device):
         return None
