@@ -1395,3 +1395,65 @@ def test_trace_refuses_what_would_silently_differ_from_eager():
     assert o.dtype == np.int32
     with pytest.raises(hl.TracingError, match="depends on no input"):
         hl.jit(lambda a: nd.ones((2,)))(nd.ones(2))
+
+
+def _adam_run(device, steps, tmp, resume=None):
+    hl.random.seed(0)
+    net = nn.HybridSequential()
+    net.add(nn.Dense(4, in_units=3, activation="relu"), nn.Dense(2, in_units=4))
+    net.initialize(device=device)
+    tr = hl.Trainer(net.collect_params(), "adam", {"learning_rate": 0.05})
+    if resume is not None:
+        net.load_parameters(resume + ".params", device=device)
+        tr.load_states(resume + ".states")
+    rng = np.random.default_rng(1)
+    X = rng.standard_normal((4, 8, 3)).astype(np.float32)
+    loss_fn = hl.loss.L2Loss()
+    for s in range(steps):
+        x = nd.array(X[s if resume is None else s + 2], device=device)
+        with ag.record():
+            loss = loss_fn(net(x), nd.zeros((8, 2), device=device))
+        loss.backward()
+        tr.step(8)
+    if tmp is not None:
+        net.save_parameters(tmp + ".params")
+        tr.save_states(tmp + ".states")
+    return net, tr
+
+
+def test_load_states_resumes_on_another_device_and_refuses_what_it_cannot_match(tmp_path):
+    full, _ = _adam_run(hl.cpu(0), 4, None)
+    base = str(tmp_path / "run")
+    _adam_run(hl.cpu(0), 2, base)
+    resumed, _ = _adam_run(hl.cpu(1), 2, None, resume=base)
+    for a, b in zip(full.collect_params().values(), resumed.collect_params().values()):
+        np.testing.assert_array_equal(a.data().asnumpy(), b.data(hl.cpu(1)).asnumpy())
+    # a trainer over a sub-block's parameters saved names 'weight', 'bias': not '0.weight'
+    net = nn.HybridSequential()
+    net.add(nn.Dense(4, in_units=3), nn.Dense(2, in_units=4))
+    net.initialize()
+    sub = hl.Trainer(net[0].collect_params(), "adam", {"learning_rate": 0.1})
+    with ag.record():
+        net(nd.ones((2, 3))).sum().backward()
+    sub.step(2)
+    sub.save_states(str(tmp_path / "sub.states"))
+    whole = hl.Trainer(net.collect_params(), "adam", {"learning_rate": 0.1})
+    with pytest.raises(ValueError, match="not parameters of this trainer"):
+        whole.load_states(str(tmp_path / "sub.states"))
+    # same names, other shapes
+    other = nn.HybridSequential()
+    other.add(nn.Dense(6, in_units=3, activation="relu"), nn.Dense(2, in_units=6))
+    other.initialize()
+    tr = hl.Trainer(other.collect_params(), "adam", {"learning_rate": 0.05})
+    with pytest.raises(ValueError, match="shape"):
+        tr.load_states(base + ".states")
+    assert tr._states == {}                 # nothing changed
+    # plain SGD state into SGD with momentum
+    plain = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+    with ag.record():
+        net(nd.ones((2, 3))).sum().backward()
+    plain.step(2)
+    plain.save_states(str(tmp_path / "sgd.states"))
+    mom = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9})
+    with pytest.raises(ValueError, match="momentum"):
+        mom.load_states(str(tmp_path / "sgd.states"))

@@ -268,8 +268,19 @@ class Trainer:
     def load_states(self, path):
         """Load optimizer state saved by :meth:`save_states`.
 
+        States are matched to this trainer's parameters by name. A parameter's states on its
+        devices are matched in device order when the file has as many copies (so a run saved
+        on ``cpu(0)`` resumes on ``cpu(1)``), and one saved copy is given to every copy here
+        (replicas hold the same state). Everything is checked before anything changes.
+
         Raises:
-            FileNotFoundError, ValueError: missing file, corrupt file, or another optimizer.
+            FileNotFoundError: no such file.
+            ValueError: a corrupt file or not a trainer state file; another optimizer or
+                other optimizer settings (a state array missing, e.g. SGD saved without
+                momentum); names in the file that are not parameters of this trainer (a
+                trainer over another set of parameters, or the model nested differently);
+                a state array whose shape differs from its parameter's; copies on a number
+                of devices that cannot be matched.
         """
         from safetensors import safe_open
         if not os.path.exists(path):
@@ -278,6 +289,9 @@ class Trainer:
             with safe_open(path, framework="numpy") as f:
                 meta = f.metadata() or {}
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
+            counts = json.loads(meta.get("counts", "{}"))
+            num_update = int(meta.get("num_update", 0))
+            lr = float(meta.get("lr", self._optimizer.lr))
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"load_states: {path!r} is not a valid trainer state file ({e})") from None
         if meta.get("format") != "hybridl-trainer":
@@ -285,20 +299,49 @@ class Trainer:
         if meta.get("optimizer") != type(self._optimizer).__name__:
             raise ValueError(f"load_states: {path!r} holds {meta.get('optimizer')} state, this "
                              f"trainer uses {type(self._optimizer).__name__}")
-        counts = json.loads(meta["counts"])
+        saved = {}                                  # name -> [key@device, ...] in file order
+        for key in counts:
+            name, _, _ = key.rpartition("@")
+            saved.setdefault(name, []).append(key)
+        index = {n: i for i, n in enumerate(self._names)}
+        extra = [n for n in saved if n not in index]
+        if extra:
+            raise ValueError(
+                f"load_states: {path!r} holds state for {extra} that are not parameters of this "
+                f"trainer (its parameters: {list(self._names)[:8]}"
+                f"{' ...' if len(self._names) > 8 else ''}); save and load with trainers over "
+                f"the same parameters, named alike")
         self._wait_states()
+        plan = []                                   # (state key, t, {slot: array})
+        for name, keys in saved.items():
+            i = index[name]
+            p = self._params[i]
+            devs, ws = p.list_device(), p.list_data()
+            if len(keys) not in (1, len(devs)):
+                raise ValueError(f"load_states: parameter {name!r} has state for {len(keys)} "
+                                 f"devices in {path!r} and {len(devs)} here")
+            for j, (d, w) in enumerate(zip(devs, ws)):
+                key = keys[j if len(keys) > 1 else 0]
+                template = self._optimizer.create_state(w)
+                arrays = {}
+                for slot, t in template.items():
+                    a = tensors.get(f"{key}/{slot}")
+                    if a is None:
+                        raise ValueError(
+                            f"load_states: {path!r} has no {slot!r} state for {name!r} (saved by "
+                            f"a {meta.get('optimizer')} with other settings, e.g. without "
+                            f"momentum); create the trainer with the same optimizer_params")
+                    if tuple(a.shape) != tuple(np.shape(t)):
+                        raise ValueError(f"load_states: {name!r} state {slot!r} has shape "
+                                         f"{tuple(a.shape)} in {path!r}, the parameter here "
+                                         f"{tuple(np.shape(t))}")
+                    arrays[slot] = a.astype(np.asarray(t).dtype, copy=True)
+                plan.append(((i, d), counts[key], arrays))
         self._states = {}
-        for i, p in enumerate(self._params):
-            for d, w in zip(p.list_device(), p.list_data()):
-                key = f"{self._names[i]}@{d}"
-                if key not in counts:
-                    continue
-                st = self._state((i, d), w)
-                st["t"] = counts[key]
-                for n in list(st["arrays"]):
-                    st["arrays"][n] = tensors[f"{key}/{n}"].copy()
-        self._optimizer.num_update = int(meta.get("num_update", 0))
-        self._optimizer.lr = float(meta.get("lr", self._optimizer.lr))
+        for skey, t, arrays in plan:
+            self._states[skey] = {"t": t, "arrays": arrays, "var": Var("optimizer_state")}
+        self._optimizer.num_update = num_update
+        self._optimizer.lr = lr
 
 
 def _is_dist(spec):
