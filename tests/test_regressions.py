@@ -1457,3 +1457,35 @@ def test_load_states_resumes_on_another_device_and_refuses_what_it_cannot_match(
     mom = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9})
     with pytest.raises(ValueError, match="momentum"):
         mom.load_states(str(tmp_path / "sgd.states"))
+
+
+def test_export_names_parameters_by_path_when_children_were_initialized_alone(tmp_path):
+    a = nn.Dense(3, in_units=4)
+    a.initialize()
+    b = nn.Dense(3, in_units=3)
+    b.initialize()
+    net = nn.HybridSequential()
+    net.add(a, b)
+    x = nd.array(np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32))
+    sym, params = net.export(str(tmp_path / "p"), x)
+    sb = hl.nn.SymbolBlock.imports(sym, ["data0"], params)
+    assert sorted(sb.collect_params()) == sorted(net.collect_params())
+    np.testing.assert_array_equal(sb(x).asnumpy(), net(x).asnumpy())
+
+
+def test_imported_block_keeps_grad_req_null_of_batchnorm_statistics(tmp_path):
+    net = nn.HybridSequential()
+    net.add(nn.Dense(4, in_units=3), nn.BatchNorm(in_channels=4))
+    net.initialize()
+    x = nd.ones((2, 3))
+    sym, params = net.export(str(tmp_path / "bn"), x)
+    sb = hl.nn.SymbolBlock.imports(sym, ["data0"], params)
+    want = {n: p.grad_req for n, p in net.collect_params().items()}
+    assert {n: p.grad_req for n, p in sb.collect_params().items()} == want
+    assert want["1.running_mean"] == "null"
+    tr = hl.Trainer(sb.collect_params(), "sgd", {"learning_rate": 0.1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # no "got no gradient" warning for the statistics
+        with ag.record():
+            sb(x).sum().backward()
+        tr.step(2)

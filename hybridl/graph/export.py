@@ -69,7 +69,10 @@ def graph_to_json(graph, n_data):
            "inputs": [{"name": s.node.name, "shape": list(s.shape), "dtype": s.dtype.name,
                        "node": s.node.id} for s in graph.inputs[:n_data]],
            "params": [{"name": s.node.name, "shape": list(s.shape), "dtype": s.dtype.name,
-                       "node": s.node.id} for s in graph.inputs[n_data:]],
+                       "node": s.node.id,
+                       # 'null' for values no optimizer updates (BatchNorm statistics)
+                       "grad_req": getattr(s.node.param, "grad_req", "write")}
+                      for s in graph.inputs[n_data:]],
            "nodes": nodes,
            "outputs": [[s.node.id, s.index] for s in graph.outputs]}
     return doc, tensors
@@ -98,6 +101,18 @@ def export(block, prefix, *example_inputs):
         args = [nd.zeros(s, d) for s, d in entry.fwd.in_specs[:len(entry.fwd.in_specs) - len(entry.params)]]
     with autograd.predict_mode():
         inputs, outs, single, ctx = trace_graph(block.forward, args)
+    # parameters are named by their path in this block (as save_parameters names them), not
+    # by the names they got where they were initialized (two children initialized on their
+    # own both have a 'weight'); unique in any case
+    paths = {id(p): n for n, p in block.collect_params().items()}
+    taken = set()
+    for p, s in zip(ctx.params, inputs[len(args):]):
+        name = paths.get(id(p)) or s.node.name
+        base, k = name, 1
+        while name in taken:
+            name, k = f"{base}_{k}", k + 1
+        taken.add(name)
+        s.node.name = name
     g = run_passes(Graph(inputs, outs), _EXPORT_PASSES)
     doc, tensors = graph_to_json(g, len(args))
     for p, s in zip(ctx.params, inputs[len(args):]):
@@ -298,6 +313,7 @@ class SymbolBlock(_get_block_base()):
         object.__setattr__(self, "_pnodes", {})
         for i, pd in enumerate(doc["params"]):
             p = Parameter(pd["name"], tuple(pd["shape"]), pd["dtype"])
+            p.grad_req = pd.get("grad_req", "write")    # files of earlier versions: 'write'
             p.initialize(init="zeros")
             p.set_data(params[pd["name"]])
             self._reg_params[pd["name"]] = p
