@@ -290,7 +290,8 @@ def test_collect_params_regex_and_names():
     assert list(net.collect_params("1\\..*")) == ["1.gamma", "1.beta", "1.running_mean",
                                                    "1.running_var"]
     assert list(net.collect_params(".*running_(mean|var)")) == ["1.running_mean", "1.running_var"]
-    assert len(net.collect_params("nothing")) == 0
+    with pytest.warns(UserWarning, match="matched none"):
+        assert len(net.collect_params("nothing")) == 0
 
 
 def test_initialize_force_reinit():

@@ -1489,3 +1489,33 @@ def test_imported_block_keeps_grad_req_null_of_batchnorm_statistics(tmp_path):
         with ag.record():
             sb(x).sum().backward()
         tr.step(2)
+
+
+def test_trainer_warns_once_when_a_parameter_frozen_at_creation_is_unfrozen():
+    d = nn.Dense(2, in_units=2)
+    d.initialize()
+    d.weight.grad_req = "null"
+    tr = hl.Trainer(d.collect_params(), "sgd", {"learning_rate": 1.0})
+    d.weight.grad_req = "write"
+    for k in range(2):
+        with ag.record():
+            d(nd.ones((1, 2))).sum().backward()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            tr.step(1)
+        msgs = [str(x.message) for x in w if "create a new Trainer" in str(x.message)]
+        assert len(msgs) == (1 if k == 0 else 0)
+        assert w[0].filename == __file__ if msgs else True
+
+
+def test_collect_params_pattern_that_matches_nothing_and_empty_trainer_warn():
+    net = nn.HybridSequential()
+    net.add(nn.Dense(2, in_units=2))
+    net.initialize()
+    assert list(net.collect_params(".*weight")) == ["0.weight"]
+    with pytest.warns(UserWarning, match="matched from the start"):
+        sel = net.collect_params("weight")
+    with pytest.warns(UserWarning, match="no parameter to train"):
+        hl.Trainer(sel, "sgd", {"learning_rate": 0.1})
+    with pytest.raises(ValueError, match="select"):
+        net.collect_params("(")

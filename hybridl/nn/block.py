@@ -102,12 +102,23 @@ class Block:
 
     def collect_params(self, select=None):
         """All parameters of this block and its children as a ParameterDict, optionally only
-        those whose name matches the regular expression ``select`` (e.g. ``'.*weight'``).
+        those whose name matches the regular expression ``select``, matched from the start of
+        the name (``re.match``, as MXNet Gluon): ``'.*weight'`` selects every weight,
+        ``'0\\.'`` the first child's parameters, ``'weight'`` only a top-level ``weight``.
 
-        Parameter names are set to their attribute paths on the way.
+        Parameter names are set to their attribute paths (``'0.weight'``) on the way.
+
+        Raises:
+            ValueError: ``select`` is not a valid regular expression.
+
+        Warns:
+            UserWarning: ``select`` matches none of the block's parameters.
         """
         out = ParameterDict()
-        rx = re.compile(select) if select else None
+        try:
+            rx = re.compile(select) if select else None
+        except (re.error, TypeError) as e:
+            raise ValueError(f"select: expected a regular expression, got {select!r} ({e})") from None
         seen = set()
         for name, p in self._named_params():
             if id(p) in seen:          # shared parameter: first name wins
@@ -116,6 +127,10 @@ class Block:
             p.name = name
             if rx is None or rx.match(name):
                 out[name] = p
+        if rx is not None and not out and seen:
+            warnings.warn(f"collect_params({select!r}) matched none of the {len(seen)} "
+                          f"parameters (names like {name!r}); the pattern is matched from the "
+                          f"start of each name, e.g. '.*{select}'", UserWarning, stacklevel=2)
         return out
 
     def initialize(self, init=None, device=None, force_reinit=False, verbose=False):

@@ -2,6 +2,7 @@
 import json
 import numbers
 import os
+import warnings
 
 import numpy as np
 
@@ -46,6 +47,12 @@ class Trainer:
                 raise TypeError(f"params: expected Parameters, got {type(p).__name__}")
         self._params = [p for p in plist if p.grad_req != "null"]
         self._all_params = plist
+        # frozen when the Trainer was made: never updated by it (warned once if unfrozen)
+        self._frozen = [p for p in plist if p.grad_req == "null"]
+        self._warned_unfrozen = False
+        if not self._params:
+            warnings.warn("Trainer: no parameter to train (params is empty, or every one has "
+                          "grad_req='null'): step() will change nothing", UserWarning, stacklevel=2)
         names = [p.name for p in self._params]
         if len(set(names)) != len(names):   # e.g. Parameters of blocks never collected: all
             names = [f"{n}#{i}" for i, n in enumerate(names)]   # 'weight' -> states by position
@@ -198,6 +205,13 @@ class Trainer:
                 because its gradient failed leaves the weights as they were.
         """
         check_batch_size(batch_size)
+        if not self._warned_unfrozen and any(p.grad_req != "null" for p in self._frozen):
+            self._warned_unfrozen = True
+            names = [p.name for p in self._frozen if p.grad_req != "null"]
+            warnings.warn(f"Trainer.step: parameters {names} had grad_req='null' when this "
+                          f"Trainer was created and this Trainer does not update them; to train "
+                          f"them, create a new Trainer now that they are unfrozen",
+                          UserWarning, stacklevel=2)
         self._ignore_stale = ignore_stale_grad
         self.allreduce_grads()
         self.update(batch_size)
