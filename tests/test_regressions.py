@@ -1519,3 +1519,23 @@ def test_collect_params_pattern_that_matches_nothing_and_empty_trainer_warn():
         hl.Trainer(sel, "sgd", {"learning_rate": 0.1})
     with pytest.raises(ValueError, match="select"):
         net.collect_params("(")
+
+
+def test_layers_accept_numpy_numbers():
+    y = np.array([3, 9, 1])
+    d = nn.Dense(y.max() + 1, in_units=np.int64(4))
+    c = nn.Conv2D(np.int64(4), np.int64(3), in_channels=np.int32(1))
+    c2 = nn.Conv2D(2, (np.int64(3), 1), in_channels=1)
+    e = nn.Embedding(np.int64(10), np.int64(3))
+    drop = nn.Dropout(np.float32(0.5))
+    bn = nn.BatchNorm(momentum=np.float32(0.9), epsilon=np.float64(1e-5), in_channels=np.int64(4))
+    for b in (d, c, c2, e, drop, bn):
+        b.initialize()
+    assert d(nd.ones((2, 4))).shape == (2, 10)
+    assert c(nd.ones((1, 1, 5, 5))).shape == (1, 4, 3, 3)
+    assert c2(nd.ones((1, 1, 5, 5))).shape == (1, 2, 3, 5)
+    assert e(nd.array([1, 2])).shape == (2, 3)
+    with pytest.raises(ValueError, match="units"):
+        nn.Dense(np.bool_(True))
+    with pytest.raises(ValueError, match="kernel_size"):
+        nn.Conv2D(2, 2.5)

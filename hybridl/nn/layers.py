@@ -5,6 +5,10 @@ so the same code runs eagerly, traced (hybridized) and on several devices. Input
 dimensions (``in_units``, ``in_channels``) may be 0: they are inferred on the first forward
 (deferred initialization).
 """
+import numbers
+
+import numpy as np
+
 from .. import autograd
 from .. import nd as F
 from .block import HybridBlock
@@ -29,10 +33,20 @@ def _data(p, x):
     return p.data(getattr(x, "device", None))
 
 
+def _is_int(v):
+    """An integer (Python or NumPy, e.g. ``y.max() + 1``), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_real(v):
+    """A real number (Python or NumPy), not a bool."""
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+
+
 def _pos_int(v, arg, layer, allow0=False):
-    if isinstance(v, bool) or not isinstance(v, int) or v < (0 if allow0 else 1):
+    if not _is_int(v) or v < (0 if allow0 else 1):
         raise ValueError(f"{layer}: {arg} must be an integer >= {0 if allow0 else 1}, got {v!r}")
-    return v
+    return int(v)
 
 
 class Dense(HybridBlock):
@@ -97,11 +111,14 @@ class Conv2D(HybridBlock):
         if layout != "NCHW":
             raise ValueError(f"Conv2D: layout must be 'NCHW', got {layout!r}")
         self._channels = _pos_int(channels, "channels", "Conv2D")
-        ks = (kernel_size, kernel_size) if isinstance(kernel_size, int) else tuple(kernel_size)
-        if len(ks) != 2 or not all(isinstance(k, int) and k >= 1 for k in ks):
+        try:
+            ks = (kernel_size, kernel_size) if _is_int(kernel_size) else tuple(kernel_size)
+        except TypeError:
+            ks = ()
+        if len(ks) != 2 or not all(_is_int(k) and k >= 1 for k in ks):
             raise ValueError(f"Conv2D: kernel_size must be an int >= 1 or a pair of them, got "
                              f"{kernel_size!r}")
-        self._kernel, self._strides, self._padding = ks, strides, padding
+        self._kernel, self._strides, self._padding = tuple(int(k) for k in ks), strides, padding
         self._dilation, self._groups = dilation, _pos_int(groups, "groups", "Conv2D")
         if channels % groups:
             raise ValueError(f"Conv2D: channels={channels} must be divisible by groups={groups}")
@@ -194,7 +211,7 @@ class Dropout(HybridBlock):
 
     def __init__(self, rate):
         super().__init__()
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:
+        if not _is_real(rate) or not 0.0 <= rate < 1.0:
             raise ValueError(f"Dropout: rate must be a number in [0, 1), got {rate!r}")
         self._rate = float(rate)
 
@@ -216,13 +233,13 @@ class BatchNorm(HybridBlock):
     def __init__(self, axis=1, momentum=0.9, epsilon=1e-5, center=True, scale=True,
                  in_channels=0, dtype="float32"):
         super().__init__()
-        if isinstance(axis, bool) or not isinstance(axis, int):
+        if not _is_int(axis):
             raise ValueError(f"BatchNorm: axis must be an int, got {axis!r}")
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum <= 1.0:
+        if not _is_real(momentum) or not 0.0 <= momentum <= 1.0:
             raise ValueError(f"BatchNorm: momentum must be a number in [0, 1], got {momentum!r}")
-        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon > 0:
+        if not _is_real(epsilon) or not epsilon > 0:
             raise ValueError(f"BatchNorm: epsilon must be a number > 0, got {epsilon!r}")
-        self._axis, self._momentum, self._eps = axis, float(momentum), float(epsilon)
+        self._axis, self._momentum, self._eps = int(axis), float(momentum), float(epsilon)
         self.gamma = Parameter("gamma", (in_channels,), dtype, "ones",
                                grad_req="write" if scale else "null")
         self.beta = Parameter("beta", (in_channels,), dtype, "zeros",
@@ -255,7 +272,7 @@ class LayerNorm(HybridBlock):
         super().__init__()
         if axis != -1:
             raise ValueError(f"LayerNorm: only axis=-1 is supported, got {axis}")
-        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon > 0:
+        if not _is_real(epsilon) or not epsilon > 0:
             raise ValueError(f"LayerNorm: epsilon must be a number > 0, got {epsilon!r}")
         self._eps = float(epsilon)
         self.gamma = Parameter("gamma", (in_channels,), dtype, "ones",
