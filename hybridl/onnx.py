@@ -83,7 +83,8 @@ class _Ctx:
         """An initializer holding ``value``; returns its name."""
         from onnx import numpy_helper
         name = self.fresh(base)
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
+        a = np.asarray(value)                   # (ascontiguousarray makes a 0-d array 1-d)
+        self.inits.append(numpy_helper.from_array(a if a.flags.c_contiguous else a.copy(order="C"), name))
         return name
 
     def i64(self, values, base="shape"):
@@ -583,7 +584,7 @@ def _build_model(g, data_inputs, pvals, opset, onnx, graph_name):
             p = pvals[n.id]
             nm = n.name if n.name not in c._names else c.fresh(n.name)
             c._names.add(nm)
-            arr = np.ascontiguousarray(p.data().asnumpy()).astype(n.specs[0][1], copy=False)
+            arr = np.array(p.data().asnumpy(), order="C").astype(n.specs[0][1], copy=False)
             c.inits.append(numpy_helper.from_array(arr, nm))
             names[key] = nm
             continue

@@ -242,3 +242,26 @@ def test_bad_arguments(tmp_path):
 def test_uninitialized_params(tmp_path):
     with pytest.raises(RuntimeError, match="initialize"):
         hl.onnx.export(hl.models.mlp(), hl.nd.zeros((2, 4)), tmp_path / "a.onnx")
+
+
+def test_zero_dim_constants_inputs_and_parameters_keep_their_rank(tmp_path):
+    # np.ascontiguousarray turned 0-d constants (a Python scalar next to a 0-d result) and
+    # 0-d parameters into shape (1,): onnx shape inference refused the model
+    class Scale(hl.nn.HybridBlock):
+        def __init__(self):
+            super().__init__()
+            self.s = hl.nn.Parameter("s", (), init="ones")
+
+        def forward(self, x):
+            return x.mean() * self.s.data() + 1, x.sum() * 0.5
+
+    for net, x in ((Scale(), np.ones((2, 3), np.float32)),
+                   (Fn(lambda x: x * 2 + 1), np.array(3.0, np.float32))):
+        net.initialize()
+        path = tmp_path / "zero_d.onnx"
+        hl.onnx.export(net, hl.nd.array(x), path)
+        got = _run_onnx(path, [x])
+        ref = _as_list(net(hl.nd.array(x)))
+        for g, r in zip(got, ref):
+            assert g.shape == r.shape == ()
+            np.testing.assert_allclose(g, r, rtol=1e-6)
