@@ -1539,3 +1539,18 @@ def test_layers_accept_numpy_numbers():
         nn.Dense(np.bool_(True))
     with pytest.raises(ValueError, match="kernel_size"):
         nn.Conv2D(2, 2.5)
+
+
+def test_compiled_program_called_by_input_name():
+    x = hl.sym.var("x", shape=(3,))
+    y = hl.sym.var("y", shape=(3,))
+    prog = hl.compile(x * 2 + y)
+    a, b = np.ones(3, np.float32), np.arange(3, dtype=np.float32)
+    np.testing.assert_array_equal(prog(y=b, x=a).asnumpy(), a * 2 + b)
+    np.testing.assert_array_equal(prog(a, y=b).asnumpy(), a * 2 + b)
+    with pytest.raises(TypeError, match="unknown input"):
+        prog(a, z=b)
+    with pytest.raises(TypeError, match="missing input"):
+        prog(x=a)
+    with pytest.raises(TypeError, match="by position and by name"):
+        prog(a, x=a)

@@ -100,10 +100,31 @@ class Program:
         _eager_exec(self.op, arrays, outs, self.out_specs, {}, device, self._ckey)
         return outs
 
-    def __call__(self, *args):
-        """Run on NDArrays (or NumPy arrays / numbers, converted); returns NDArray(s)."""
+    def __call__(self, *args, **kwargs):
+        """Run on NDArrays (or NumPy arrays / numbers, converted), given in input order or
+        by input name (``prog(x=..., y=...)``, the names of :attr:`input_names`); returns
+        NDArray(s).
+
+        Raises:
+            TypeError: an unknown input name, or an input given twice or not at all.
+            ValueError: wrong number of inputs; an input's shape or dtype differs from the
+                program's, or its values do not fit the input's dtype."""
         from .. import nd
         from ..ops.dispatch import apply
+        if kwargs:
+            names = list(self.input_names)
+            unknown = [k for k in kwargs if k not in names]
+            if unknown:
+                raise TypeError(f"{self.op.name}: unknown input name(s) {unknown}; inputs: {names}")
+            given = dict(zip(names, args))
+            twice = [k for k in kwargs if k in given]
+            if twice:
+                raise TypeError(f"{self.op.name}: input(s) {twice} given by position and by name")
+            given.update(kwargs)
+            missing = [n for n in names if n not in given]
+            if missing:
+                raise TypeError(f"{self.op.name}: missing input(s) {missing}; inputs: {names}")
+            args = tuple(given[n] for n in names)
         if len(args) != len(self.in_specs):
             raise ValueError(f"{self.op.name}: expected {len(self.in_specs)} inputs "
                              f"{self.input_names}, got {len(args)}")
