@@ -1554,3 +1554,34 @@ def test_compiled_program_called_by_input_name():
         prog(x=a)
     with pytest.raises(TypeError, match="by position and by name"):
         prog(a, x=a)
+
+
+def test_hybridized_call_refuses_inputs_on_different_devices_as_eager_does():
+    class Add(nn.HybridBlock):
+        def forward(self, a, b):
+            return a + b
+
+    a, b = nd.ones(3, device=hl.cpu(0)), nd.ones(3, device=hl.cpu(1)) * 2
+    net = Add()
+    with pytest.raises(ValueError, match="different devices"):
+        net(a, b)
+    net.hybridize()
+    with pytest.raises(ValueError, match="different devices"):
+        net(a, b)
+    with pytest.raises(ValueError, match="different devices"):
+        hl.jit(lambda x, y: x + y)(a, b)
+    np.testing.assert_array_equal(net(a, b.copyto(hl.cpu(0))).asnumpy(), [3, 3, 3])
+
+
+def test_hybridize_refuses_unknown_options():
+    net = nn.HybridSequential()
+    net.add(nn.Dense(2, in_units=2))
+    with pytest.raises(TypeError, match="parallel_segment"):
+        net.hybridize(parallel_segment=True)        # a typo of parallel_segments
+    outer = nn.Sequential()
+    outer.add(net)
+    with pytest.raises(TypeError, match="unknown option"):
+        outer.hybridize(bogus=1)
+    net.hybridize(static_alloc=True, static_shape=True)     # MXNet's: accepted
+    net.initialize()
+    assert net(nd.ones((1, 2))).shape == (1, 2)

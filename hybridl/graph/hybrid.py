@@ -177,6 +177,10 @@ def _signature(args):
             raise TypeError(f"hybridized call: inputs must be NDArrays, got {type(a).__name__} "
                             f"(wrap data with hl.nd.array)")
         sig.append((tuple(a.shape), a.dtype, a.device, a._ag is not None or a._grad_req != "null"))
+    if len(sig) > 1 and any(s[2] != sig[0][2] for s in sig):
+        devs = ", ".join(f"input {i} on {s[2]}" for i, s in enumerate(sig))
+        raise ValueError(f"hybridized call: inputs are on different devices ({devs}); a program "
+                         f"runs on one device: copy them there with x.copyto(device)")
     return (tuple(sig), _AG.training, _AG.recording)
 
 

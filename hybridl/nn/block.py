@@ -258,7 +258,11 @@ class Block:
         return self
 
     def hybridize(self, active=True, **kwargs):
-        """Hybridize every HybridBlock child (a plain Block itself stays imperative)."""
+        """Hybridize every HybridBlock child (a plain Block itself stays imperative).
+
+        Raises:
+            TypeError: an unknown option (see :meth:`HybridBlock.hybridize`)."""
+        _check_hybridize_options(kwargs)
         for c in self._children.values():
             c.hybridize(active, **kwargs)
 
@@ -271,6 +275,18 @@ class Block:
 
     def _extra_repr(self):
         return ""
+
+
+# hybridize() options: the compiler's, and MXNet's two, which hybridl's compiled programs
+# always do (a memory plan of static buffers for fixed shapes), so they change nothing
+_HYBRIDIZE_OPTIONS = ("passes", "parallel_segments", "static_alloc", "static_shape")
+
+
+def _check_hybridize_options(kwargs):
+    bad = sorted(k for k in kwargs if k not in _HYBRIDIZE_OPTIONS)
+    if bad:
+        raise TypeError(f"hybridize: unknown option(s) {bad}; the options are "
+                        f"{list(_HYBRIDIZE_OPTIONS)}")
 
 
 def _atomic_write(path, write):
@@ -303,13 +319,20 @@ class HybridBlock(Block):
         """Compile ``forward`` on its next call (one cached program per input signature).
 
         Calling it again (or adding a child) clears the cache. ``hybridize(False)`` goes back
-        to imperative execution. Keyword options are passed to the compiler (e.g.
-        ``passes=[...]``, ``parallel_segments=True``).
+        to imperative execution. Options: ``passes=[...]`` (graph passes by name, default
+        all), ``parallel_segments=True`` (run independent parts of the graph as separate
+        engine ops, which may run at once); MXNet's ``static_alloc`` and ``static_shape``
+        are accepted and change nothing (compiled programs always run from a static memory
+        plan for their fixed shapes).
+
+        Raises:
+            TypeError: an unknown option.
 
         The backward of a hybridized block is a compiled program without a gradient of its
         own: ``autograd.grad(..., create_graph=True)`` through it raises NotImplementedError
         (higher-order gradients need the block imperative).
         """
+        _check_hybridize_options(kwargs)
         object.__setattr__(self, "_active", bool(active))
         object.__setattr__(self, "_hybrid_flags", dict(kwargs))
         object.__setattr__(self, "_cached", None)
