@@ -1585,3 +1585,19 @@ def test_hybridize_refuses_unknown_options():
     net.hybridize(static_alloc=True, static_shape=True)     # MXNet's: accepted
     net.initialize()
     assert net(nd.ones((1, 2))).shape == (1, 2)
+
+
+def test_indexing_with_an_integer_array_input_hybridized():
+    X = nd.array(np.arange(12, dtype=np.float32).reshape(4, 3))
+    idx = nd.array([0, 2, 2])
+    f = hl.jit(lambda x, i: x[i] * 2)
+    np.testing.assert_array_equal(f(X, idx).asnumpy(), (X.asnumpy()[[0, 2, 2]] * 2))
+    X.attach_grad()
+    with ag.record():
+        y = f(X, idx)
+    y.backward()
+    want = np.zeros((4, 3), np.float32)
+    np.add.at(want, [0, 2, 2], 2.0)
+    np.testing.assert_array_equal(X.grad.asnumpy(), want)
+    with pytest.raises(TypeError, match="boolean-mask"):
+        hl.jit(lambda x, m: x[m])(X, nd.array([True, False, True, False]))
