@@ -1601,3 +1601,37 @@ def test_indexing_with_an_integer_array_input_hybridized():
     np.testing.assert_array_equal(X.grad.asnumpy(), want)
     with pytest.raises(TypeError, match="boolean-mask"):
         hl.jit(lambda x, m: x[m])(X, nd.array([True, False, True, False]))
+
+
+def test_jit_on_a_method_binds_self():
+    class Model:
+        def __init__(self, scale):
+            self.scale = scale
+
+        @hl.jit
+        def apply(self, x):
+            return x * self.scale + 1
+
+    a, b = Model(2.0), Model(3.0)
+    x = nd.array([1.0, 2.0])
+    np.testing.assert_array_equal(a.apply(x).asnumpy(), [3, 5])
+    np.testing.assert_array_equal(b.apply(x).asnumpy(), [4, 7])
+    a.apply(x)
+    assert a.apply.cache_info()["hits"] == 1 and b.apply.cache_info()["misses"] == 1
+
+    class Net(nn.HybridBlock):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Dense(2, in_units=2)
+
+        @hl.jit
+        def twice(self, x):
+            return self.fc(x) * 2
+
+    net = Net()
+    net.initialize()
+    ref = net.fc(x.reshape((1, 2))).asnumpy() * 2
+    np.testing.assert_allclose(net.twice(x.reshape((1, 2))).asnumpy(), ref, rtol=1e-6)
+    net.fc.weight.set_data(nd.ones((2, 2)))         # a parameter is an input, not a constant
+    want = (np.array([[1.0, 2.0]]) @ np.ones((2, 2)) + net.fc.bias.data().asnumpy()) * 2
+    np.testing.assert_allclose(net.twice(x.reshape((1, 2))).asnumpy(), want, rtol=1e-6)

@@ -368,6 +368,27 @@ class _JitFunction:
             self._cache.hits += 1
         return _run(entry, args)
 
+    def __get__(self, obj, objtype=None):
+        """``@hl.jit`` on a method: ``obj.method`` is a jit function of its own, with ``obj``
+        bound (one cache per object; the object's parameters are program inputs, as in a
+        hybridized block)."""
+        if obj is None:
+            return self
+        key = f"_hl_jit_{id(self)}"
+        bound = obj.__dict__.get(key) if hasattr(obj, "__dict__") else None
+        if bound is None:
+            fn = self._fn
+
+            @functools.wraps(fn)
+            def method(*args, **kwargs):
+                return fn(obj, *args, **kwargs)
+            bound = _JitFunction(method, self._static, self._passes)
+            try:
+                object.__setattr__(obj, key, bound)
+            except (AttributeError, TypeError):     # no __dict__ (slots): not cached
+                pass
+        return bound
+
     def cache_info(self):
         """Hits, misses, miss reasons and number of cached programs."""
         return self._cache.info()
@@ -411,7 +432,15 @@ def jit(fn=None, *, static_argnames=None, passes=None):
     training mode, autograd recording); static arguments (by name, passed by keyword) are
     Python values baked into the program, one program per distinct value. Called while
     another program is being traced (inside a hybridized forward or another jit function),
-    it is inlined into that program.
+    it is inlined into that program. On a method, ``obj.method`` is bound to ``obj``, with
+    one cache per object.
+
+    What the program reads: its arguments and the Parameters it uses are program inputs
+    (later ``set_data`` and optimizer updates are seen). Anything else it reads -- Python
+    numbers, object attributes, NDArrays captured from a closure or an attribute -- is read
+    once, when tracing, and baked into the program as a constant (as ``jax.jit`` does): a
+    later change to it is not seen. Pass such arrays as arguments; a captured array that
+    needs a gradient is refused under ``autograd.record()`` (TracingError).
 
     Args:
         fn: the function; positional arguments NDArrays, returns an NDArray or a tuple.
