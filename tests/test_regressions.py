@@ -1635,3 +1635,24 @@ def test_jit_on_a_method_binds_self():
     net.fc.weight.set_data(nd.ones((2, 2)))         # a parameter is an input, not a constant
     want = (np.array([[1.0, 2.0]]) @ np.ones((2, 2)) + net.fc.bias.data().asnumpy()) * 2
     np.testing.assert_allclose(net.twice(x.reshape((1, 2))).asnumpy(), want, rtol=1e-6)
+
+
+def test_dataloader_batches_dict_samples():
+    class D(hl.data.Dataset):
+        def __len__(self):
+            return 5
+
+        def __getitem__(self, i):
+            return {"x": np.full(3, i, np.float32), "y": i}
+
+    for workers in (0, 2):
+        got = list(hl.data.DataLoader(D(), batch_size=2, num_workers=workers))
+        assert [sorted(b) for b in got] == [["x", "y"]] * 3
+        np.testing.assert_array_equal(got[1]["x"].asnumpy(), np.full((2, 3), [[2], [3]], np.float32))
+        np.testing.assert_array_equal(got[2]["y"].asnumpy(), [4])
+
+    class Mixed(D):
+        def __getitem__(self, i):
+            return {"x": i} if i else {"y": i}
+    with pytest.raises(ValueError, match="keys"):
+        list(hl.data.DataLoader(Mixed(), batch_size=2))

@@ -52,12 +52,21 @@ def default_batchify_fn(samples):
 
     Each sample is an array/scalar or a tuple/list of them; field ``k`` of the batch is
     ``np.stack([s[k] for s in samples])`` (shape ``(len(samples),) + field_shape``, dtype as
-    NumPy's stacking gives; Python ints become int64, floats float64).
+    NumPy's stacking gives; Python ints become int64, floats float64). Samples that are dicts
+    give a dict batch, one stacked array per key (as PyTorch's default collate).
 
     Raises:
-        ValueError: samples have different numbers of fields or different field shapes.
+        ValueError: samples have different numbers of fields, keys or field shapes.
     """
     first = samples[0]
+    if isinstance(first, dict):
+        keys = list(first)
+        for s in samples:
+            if not isinstance(s, dict) or list(s) != keys:
+                raise ValueError(f"batchify: every sample must be a dict with the keys {keys} "
+                                 f"like the first one, got {type(s).__name__} "
+                                 f"{list(s) if isinstance(s, dict) else ''}")
+        return {k: default_batchify_fn([s[k] for s in samples])[0] for k in keys}
     if isinstance(first, (tuple, list)):
         nfields = len(first)
         for s in samples:
@@ -265,6 +274,8 @@ class DataLoader:
             samples.append(self.dataset[int(i)])
         fn = self.batchify_fn or default_batchify_fn
         out = fn(samples)
+        if isinstance(out, dict):
+            return out
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
     def _to_ndarray(self, batch):
@@ -273,16 +284,16 @@ class DataLoader:
 
         def _device(d):
             return _D.parse(d)
-        out = []
-        for a in batch:
+        def convert(a):
             if isinstance(a, (np.ndarray, np.generic)):
-                out.append(array(a, device=self.device))
-            elif hasattr(a, "asnumpy"):  # already an NDArray: on the loader's device
-                out.append(a if self.device is None or a.device == _device(self.device)
-                           else a.copyto(_device(self.device)))
-            else:
-                out.append(array(np.asarray(a), device=self.device))
-        return tuple(out)
+                return array(a, device=self.device)
+            if hasattr(a, "asnumpy"):  # already an NDArray: on the loader's device
+                return (a if self.device is None or a.device == _device(self.device)
+                        else a.copyto(_device(self.device)))
+            return array(np.asarray(a), device=self.device)
+        if isinstance(batch, dict):
+            return {k: convert(a) for k, a in batch.items()}
+        return tuple(convert(a) for a in batch)
 
     def _iter_numpy(self, batches):
         if self.num_workers == 0 or not batches:
