@@ -1656,3 +1656,20 @@ def test_dataloader_batches_dict_samples():
             return {"x": i} if i else {"y": i}
     with pytest.raises(ValueError, match="keys"):
         list(hl.data.DataLoader(Mixed(), batch_size=2))
+
+
+def test_trainer_learning_rate_checks_and_a_parameter_listed_twice():
+    d = nn.Dense(2, in_units=2)
+    d.initialize()
+    w0 = d.weight.data().asnumpy()
+    tr = hl.Trainer([d.weight, d.bias, d.weight], "sgd", {"learning_rate": 0.5})
+    for bad in (float("inf"), -1.0, float("nan"), "0.1", True):
+        with pytest.raises(ValueError, match="finite number"):
+            tr.set_learning_rate(bad)
+    assert tr.learning_rate == 0.5
+    with ag.record():
+        d(nd.ones((1, 2))).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # no "got no gradient" warning
+        tr.step(1)
+    np.testing.assert_allclose(d.weight.data().asnumpy(), w0 - 0.5, rtol=1e-6)   # updated once

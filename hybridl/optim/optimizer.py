@@ -81,8 +81,16 @@ class Optimizer:
         return self.lr
 
     def set_learning_rate(self, lr):
-        if not lr >= 0:
-            raise ValueError(f"learning_rate: expected >= 0, got {lr}")
+        """Set the learning rate (e.g. from a schedule).
+
+        Raises:
+            ValueError: ``lr`` is not a finite number >= 0 (as the constructor)."""
+        try:
+            ok = lr >= 0 and lr != float("inf")
+        except TypeError:
+            ok = False
+        if not ok or isinstance(lr, bool):
+            raise ValueError(f"learning_rate: expected a finite number >= 0, got {lr!r}")
         self.lr = float(lr)
 
     def create_state(self, weight):

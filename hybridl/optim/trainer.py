@@ -45,6 +45,8 @@ class Trainer:
         for p in plist:
             if not isinstance(p, Parameter):
                 raise TypeError(f"params: expected Parameters, got {type(p).__name__}")
+        seen = set()                        # a parameter listed twice is one parameter
+        plist = [p for p in plist if not (id(p) in seen or seen.add(id(p)))]
         self._params = [p for p in plist if p.grad_req != "null"]
         self._all_params = plist
         # frozen when the Trainer was made: never updated by it (warned once if unfrozen)
@@ -79,7 +81,10 @@ class Trainer:
         return self._optimizer.lr
 
     def set_learning_rate(self, lr):
-        """Change the learning rate (e.g. from a schedule)."""
+        """Change the learning rate (e.g. from a schedule).
+
+        Raises:
+            ValueError: ``lr`` is not a finite number >= 0."""
         self._optimizer.set_learning_rate(lr)
 
     @property
