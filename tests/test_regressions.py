@@ -1673,3 +1673,21 @@ def test_trainer_learning_rate_checks_and_a_parameter_listed_twice():
         warnings.simplefilter("error")          # no "got no gradient" warning
         tr.step(1)
     np.testing.assert_allclose(d.weight.data().asnumpy(), w0 - 0.5, rtol=1e-6)   # updated once
+
+
+def test_symbol_var_shape_and_symbol_file_errors(tmp_path):
+    with pytest.raises(ValueError, match="tuple of integers"):
+        hl.sym.var("z", shape=(2.5,))
+    assert hl.sym.var("z", shape=np.int64(3)).shape == (3,)
+    with pytest.raises(ValueError, match="is a directory"):
+        hl.nn.SymbolBlock.imports(str(tmp_path))
+    net = nn.HybridSequential()
+    net.add(nn.Dense(2, in_units=2))
+    net.initialize()
+    sym, params = net.export(str(tmp_path / "m"), nd.ones((1, 2)))
+    import json
+    doc = json.loads(open(sym).read())
+    doc["version"] = str(doc["version"])
+    open(sym, "w").write(json.dumps(doc))
+    with pytest.raises(ValueError, match="expected the integer"):
+        hl.nn.SymbolBlock.imports(sym, ["data0"], params)

@@ -137,6 +137,9 @@ def load_graph_json(path):
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"symbol_file: no such file: {path!r}")
+    if os.path.isdir(path):
+        raise ValueError(f"symbol_file: {path!r} is a directory; expected the PREFIX-symbol.json "
+                         f"file written by net.export(PREFIX)")
     try:
         with open(path) as f:
             doc = json.load(f)
@@ -147,7 +150,8 @@ def load_graph_json(path):
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError(f"symbol_file: {path!r} is not a hybridl graph (format {FORMAT!r} expected)")
     if type(doc.get("version")) is not int or doc.get("version") != VERSION:
-        raise ValueError(f"symbol_file: {path!r} has version {doc.get('version')}, expected {VERSION}")
+        raise ValueError(f"symbol_file: {path!r} has version {doc.get('version')!r}, expected "
+                         f"the integer {VERSION}")
     seen = {}                     # node id -> number of outputs
 
     def bad(msg):

@@ -237,13 +237,22 @@ def var(name, shape=None, dtype=None):
         dtype: default float32.
 
     Raises:
-        ValueError: shape missing or negative.
+        ValueError: shape missing, not integers (2.5 is not truncated), or negative.
     """
     from ..ops._util import F32, as_dtype
     if shape is None:
         raise ValueError(f"var {name!r}: shape is required (every value in a graph has a known "
                          f"shape), e.g. hl.sym.var({name!r}, shape=(32, 784))")
-    shape = tuple(int(s) for s in shape)
+    if isinstance(shape, numbers.Integral):
+        shape = (shape,)
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        dims = None
+    if dims is None or not all(isinstance(s, numbers.Integral) and not isinstance(s, bool)
+                               for s in dims):
+        raise ValueError(f"var {name!r}: shape must be a tuple of integers, got {shape!r}")
+    shape = tuple(int(s) for s in dims)
     if any(s < 0 for s in shape):
         raise ValueError(f"var {name!r}: shape must be >= 0, got {shape}")
     return Node("input", specs=[(shape, as_dtype(dtype or F32))], name=name).out()

@@ -171,6 +171,10 @@ class Block:
                         cast_dtype=False):
         """Load values saved by :meth:`save_parameters`.
 
+        ``device``: where parameters not initialized yet are created (default: the current
+        device); parameters already initialized keep their devices (as in MXNet) -- move them
+        with ``reset_device``.
+
         ``cast_dtype=True`` converts a tensor of another dtype to the parameter's (as MXNet's
         option of that name), refusing conversions that do not keep the values (float overflow
         to inf, fractions or out-of-range numbers into integers); by default a dtype that
