@@ -1691,3 +1691,14 @@ def test_symbol_var_shape_and_symbol_file_errors(tmp_path):
     open(sym, "w").write(json.dumps(doc))
     with pytest.raises(ValueError, match="expected the integer"):
         hl.nn.SymbolBlock.imports(sym, ["data0"], params)
+
+
+def test_embedding_takes_float_indices_as_mxnet():
+    e = nn.Embedding(10, 3)
+    e.initialize()
+    W = e.weight.data().asnumpy()
+    for hyb in (False, True):
+        e.hybridize(hyb)
+        np.testing.assert_array_equal(e(nd.array([[1.0, 2.0], [9.0, 0.0]])).asnumpy(), W[[[1, 2], [9, 0]]])
+    with pytest.raises(TypeError, match="embedding: indices"):
+        e(nd.array([True, False]))

@@ -10,7 +10,7 @@ from ..kernels._check import check_int, pair
 from . import _blas
 from ._util import check_float, norm_axis, numel
 from .dispatch import apply
-from .math import add, exp, multiply, relu_grad, subtract, sum, take, take_grad
+from .math import add, cast, exp, multiply, relu_grad, subtract, sum, take, take_grad
 from .registry import register
 
 # ============================================================================ softmax family
@@ -475,9 +475,20 @@ def dropout(x, p=0.5, training=None):
 
 
 def embedding(indices, weight):
-    """Row lookup: weight (V, D), indices (...) int -> (..., D). Indices are clipped to [0, V)."""
+    """Row lookup: weight (V, D), indices (...) -> (..., D). Indices are clipped to [0, V)
+    (as MXNet's Embedding); float indices (labels loaded as float32) are truncated to
+    integers, as MXNet does.
+
+    Raises:
+        ValueError: weight not 2-D.  TypeError: indices neither integers nor floats."""
     if len(weight.shape) != 2:
         raise ValueError(f"embedding: weight must be 2-D (vocab, dim), got shape {weight.shape}")
+    kind = np.dtype(indices.dtype).kind
+    if kind == "f":
+        indices = cast(indices, "int64")
+    elif kind not in "iu":
+        raise TypeError(f"embedding: indices must be integers (or floats holding them), got "
+                        f"dtype {indices.dtype}")
     return take(weight, indices, axis=0, mode="clip")
 
 
