@@ -78,6 +78,15 @@ class NDArray:
         _engine.wait_for(self._var)
         return self._data.reshape(()).item()
 
+    def tolist(self):
+        """The values as (nested) Python lists of Python scalars (a sync point), as
+        ``numpy.ndarray.tolist``."""
+        return self.asnumpy().tolist()
+
+    def copy(self):
+        """A new array with the same values on the same device (asynchronous)."""
+        return self.copyto(self.device)
+
     def __array__(self, dtype=None, copy=None):
         a = self.asnumpy()
         return a if dtype is None else a.astype(dtype)

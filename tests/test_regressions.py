@@ -1702,3 +1702,14 @@ def test_embedding_takes_float_indices_as_mxnet():
         np.testing.assert_array_equal(e(nd.array([[1.0, 2.0], [9.0, 0.0]])).asnumpy(), W[[[1, 2], [9, 0]]])
     with pytest.raises(TypeError, match="embedding: indices"):
         e(nd.array([True, False]))
+
+
+def test_ndarray_tolist_and_copy():
+    x = nd.array([[1.0, 2.0], [3.0, 4.0]])
+    assert x.tolist() == [[1.0, 2.0], [3.0, 4.0]] and isinstance(x.tolist()[0][0], float)
+    y = x.copy()
+    y[:] = 0
+    assert x.tolist() == [[1.0, 2.0], [3.0, 4.0]]
+    assert hl.jit(lambda a: a.copy() * 2)(x).tolist() == [[2.0, 4.0], [6.0, 8.0]]
+    with pytest.raises(hl.TracingError, match="tolist"):
+        hl.jit(lambda a: a * len(a.tolist()))(x)
