@@ -3,6 +3,8 @@
 ``SoftmaxCrossEntropyLoss``, ``L2Loss``, ``L1Loss``, ``SigmoidBinaryCrossEntropyLoss`` (MXNet
 Gluon's definitions).
 """
+import numpy as np
+
 from . import nd as F
 from .nn.block import HybridBlock
 
@@ -10,13 +12,40 @@ __all__ = ["Loss", "SoftmaxCrossEntropyLoss", "L2Loss", "L1Loss", "SigmoidBinary
 
 
 class Loss(HybridBlock):
-    """Base class: ``weight`` scales the loss; ``batch_axis`` is kept, other axes averaged."""
+    """Base class: ``weight`` scales the loss; ``batch_axis`` is kept, other axes averaged.
+
+    Every loss is called as ``loss(pred, label, sample_weight=None)``: ``sample_weight``
+    (an NDArray: (N,) or (N, 1), one weight per sample, or any shape broadcastable to the
+    per-element loss, as MXNet Gluon's) multiplies the loss before the average.
+
+    Raises:
+        ValueError: pred and label shapes differ (where they must match), or sample_weight
+            does not broadcast to the loss's shape.
+    """
 
     def __init__(self, weight=None, batch_axis=0):
         super().__init__()
         self._weight, self._batch_axis = weight, batch_axis
 
-    def _finish(self, loss):
+    def _finish(self, loss, sample_weight=None):
+        if sample_weight is not None:
+            sw = sample_weight
+            if len(sw.shape) == len(loss.shape) + 1 and sw.shape[-1] == 1:
+                sw = F.reshape(sw, tuple(sw.shape[:-1]))    # (N, 1) weights of (N,) losses
+            elif (len(sw.shape) == 1 < len(loss.shape)
+                  and sw.shape[0] == loss.shape[self._batch_axis] != 1):
+                # (N,): one weight per sample, along the batch axis
+                sw = F.reshape(sw, tuple(sw.shape[0] if i == self._batch_axis else 1
+                                         for i in range(len(loss.shape))))
+            try:
+                ok = np.broadcast_shapes(tuple(loss.shape), tuple(sw.shape)) == tuple(loss.shape)
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"{type(self).__name__}: sample_weight of shape "
+                                 f"{tuple(sample_weight.shape)} does not broadcast to the loss's "
+                                 f"shape {tuple(loss.shape)}")
+            loss = loss * sw
         if self._weight is not None:
             loss = loss * self._weight
         axes = tuple(i for i in range(len(loss.shape)) if i != self._batch_axis)
@@ -44,7 +73,7 @@ class SoftmaxCrossEntropyLoss(Loss):
             raise ValueError(f"SoftmaxCrossEntropyLoss: axis must be -1 (class axis last), got {axis}")
         self._sparse, self._from_logits = sparse_label, from_logits
 
-    def forward(self, pred, label):
+    def forward(self, pred, label, sample_weight=None):
         if self._sparse:
             if len(label.shape) == 2 and label.shape[1] == 1:
                 label = F.reshape(label, (-1,))
@@ -64,23 +93,23 @@ class SoftmaxCrossEntropyLoss(Loss):
             self._check(pred, label, "SoftmaxCrossEntropyLoss")
             lp = pred if self._from_logits else F.log_softmax(pred, -1)
             loss = -F.sum(lp * label, axis=-1)
-        return self._finish(loss)
+        return self._finish(loss, sample_weight)
 
 
 class L2Loss(Loss):
     """0.5 * (pred - label)**2 averaged over non-batch axes."""
 
-    def forward(self, pred, label):
+    def forward(self, pred, label, sample_weight=None):
         self._check(pred, label, "L2Loss")
-        return self._finish(F.square(pred - label) * 0.5)
+        return self._finish(F.square(pred - label) * 0.5, sample_weight)
 
 
 class L1Loss(Loss):
     """|pred - label| averaged over non-batch axes."""
 
-    def forward(self, pred, label):
+    def forward(self, pred, label, sample_weight=None):
         self._check(pred, label, "L1Loss")
-        return self._finish(F.abs(pred - label))
+        return self._finish(F.abs(pred - label), sample_weight)
 
 
 class SigmoidBinaryCrossEntropyLoss(Loss):
@@ -94,11 +123,11 @@ class SigmoidBinaryCrossEntropyLoss(Loss):
         super().__init__(weight, batch_axis)
         self._from_sigmoid = from_sigmoid
 
-    def forward(self, pred, label):
+    def forward(self, pred, label, sample_weight=None):
         self._check(pred, label, "SigmoidBinaryCrossEntropyLoss")
         if not self._from_sigmoid:
             loss = F.softplus(pred) * (1.0 - label) + F.softplus(-pred) * label
         else:
             eps = 1e-12
             loss = -(F.log(pred + eps) * label + F.log(1.0 - pred + eps) * (1.0 - label))
-        return self._finish(loss)
+        return self._finish(loss, sample_weight)

@@ -1713,3 +1713,24 @@ def test_ndarray_tolist_and_copy():
     assert hl.jit(lambda a: a.copy() * 2)(x).tolist() == [[2.0, 4.0], [6.0, 8.0]]
     with pytest.raises(hl.TracingError, match="tolist"):
         hl.jit(lambda a: a * len(a.tolist()))(x)
+
+
+def test_losses_take_sample_weight_as_gluon():
+    rng = np.random.default_rng(0)
+    pred = rng.standard_normal((4, 3)).astype(np.float32)
+    lab = rng.standard_normal((4, 3)).astype(np.float32)
+    sw = np.array([1.0, 0.0, 2.0, 0.5], np.float32)
+    l2 = hl.loss.L2Loss()
+    want = (0.5 * (pred - lab) ** 2 * sw[:, None]).mean(axis=1)
+    for w in (sw, sw[:, None]):
+        np.testing.assert_allclose(l2(nd.array(pred), nd.array(lab), sample_weight=nd.array(w)).asnumpy(),
+                                   want, rtol=1e-6)
+    ce = hl.loss.SoftmaxCrossEntropyLoss()
+    y = np.array([0, 2, 1, 1])
+    logp = pred - np.log(np.exp(pred).sum(axis=1, keepdims=True))
+    want = -logp[np.arange(4), y] * sw
+    for w in (sw, sw[:, None]):
+        np.testing.assert_allclose(ce(nd.array(pred), nd.array(y), sample_weight=nd.array(w)).asnumpy(),
+                                   want, rtol=1e-5)
+    with pytest.raises(ValueError, match="sample_weight"):
+        l2(nd.array(pred), nd.array(lab), sample_weight=nd.ones((3, 4)))
