@@ -655,10 +655,16 @@ def export(net, sample_input, path, opset=17):
         NotImplementedError: the traced graph has an op without an ONNX conversion (the message
             names it and lists :data:`SUPPORTED_OPS`).
         RuntimeError: parameters not initialized (from the trace).
-        onnx.checker.ValidationError: the produced model fails ``onnx.checker.check_model``.
+        onnx.checker.ValidationError: the produced model fails ``onnx.checker.check_model``
+            (onnx's shape inference also refuses some integer and bool uses of float ops,
+            e.g. ``floor`` of an int array or ``max`` over bools: cast them first).
         ImportError: the ``onnx`` package is missing.
 
     Models of 2 GB and more (the protobuf limit) are not supported (no external data).
+
+    NaN: hybridl's ``max``/``min``/``argmax``/``argmin`` reductions follow NumPy (a NaN
+    wins); onnxruntime's ReduceMax/ReduceMin/ArgMax skip NaN, so on inputs holding NaN the
+    exported model's results of those ops differ. Elementwise ops agree.
     """
     args, path, onnx = _check_args(net, sample_input, path, opset)
     g, data_inputs, pvals = _trace(net, args)
