@@ -790,3 +790,47 @@ def test_load_parameters_reports_shapes_with_missing_names(tmp_path):
     msg = str(e.value)
     assert "it lacks parameters ['1.weight', '1.bias']" in msg
     assert "parameter '0.weight' has shape (4, 5) in the network but (5, 5) in the file" in msg
+
+
+@pytest.mark.parametrize("name, block, ref", [
+    ("silu", lambda: nn.Activation("silu"), lambda x: x / (1 + np.exp(-x))),
+    ("swish", lambda: nn.Activation("swish"), lambda x: x / (1 + np.exp(-x))),
+    ("softsign", lambda: nn.Activation("softsign"), lambda x: x / (1 + np.abs(x))),
+    ("leaky", lambda: nn.LeakyReLU(0.1), lambda x: np.where(x > 0, x, 0.1 * x)),
+    ("elu", lambda: nn.ELU(0.7), lambda x: np.where(x > 0, x, 0.7 * np.expm1(np.minimum(x, 0)))),
+])
+def test_more_activations_values_gradients_and_hybridized(name, block, ref):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 5)) * 3
+    x[0, :3] = [0.0, 200.0, -200.0]         # the kink and large values (no inf, no NaN)
+    b = block()
+    b.initialize()
+    np.testing.assert_allclose(b(hl.nd.array(x)).asnumpy(), ref(x), rtol=1e-12, atol=1e-12)
+    # float64 finite differences of sum(f(x) * w) (away from the kink at 0)
+    w = rng.standard_normal(x.shape)
+    xx = hl.nd.array(x)
+    xx.attach_grad()
+    with autograd.record():
+        y = (b(xx) * hl.nd.array(w)).sum()
+    y.backward()
+    g = xx.grad.asnumpy()
+    eps = 1e-6
+    num = (ref(x + eps) - ref(x - eps)) / (2 * eps) * w
+    away = np.abs(x) > 1e-3
+    np.testing.assert_allclose(g[away], num[away], rtol=1e-5, atol=1e-8)
+    assert np.all(np.isfinite(g))
+    if name == "leaky":
+        assert g[0, 0] == pytest.approx(0.1 * w[0, 0])     # PyTorch's gradient at 0
+    x32 = hl.nd.array(x.astype(np.float32))
+    eager = b(x32).asnumpy()
+    b.hybridize()
+    np.testing.assert_array_equal(b(x32).asnumpy(), eager)
+
+
+def test_activation_arguments_are_checked():
+    with pytest.raises(ValueError, match="silu"):
+        nn.Activation("gelu")
+    with pytest.raises(ValueError, match="alpha"):
+        nn.LeakyReLU(-1)
+    with pytest.raises(ValueError, match="alpha"):
+        nn.ELU("1")

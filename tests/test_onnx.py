@@ -265,3 +265,10 @@ def test_zero_dim_constants_inputs_and_parameters_keep_their_rank(tmp_path):
         for g, r in zip(got, ref):
             assert g.shape == r.shape == ()
             np.testing.assert_allclose(g, r, rtol=1e-6)
+
+
+def test_activation_layers(tmp_path):
+    net = hl.nn.HybridSequential()
+    net.add(hl.nn.Dense(8, in_units=5), hl.nn.LeakyReLU(0.2), hl.nn.Dense(8, in_units=8),
+            hl.nn.ELU(), hl.nn.Activation("silu"), hl.nn.Activation("softsign"))
+    _check_model(net, (3, 5), tmp_path)

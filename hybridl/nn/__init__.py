@@ -1,7 +1,7 @@
 """``hl.nn``: Parameters, Blocks and layers (MXNet Gluon's names)."""
 from .block import Block, HybridBlock, HybridSequential, Sequential  # noqa: F401
-from .layers import (Activation, AvgPool2D, BatchNorm, Conv2D, Dense, Dropout,  # noqa: F401
-                     Embedding, Flatten, GlobalAvgPool2D, LayerNorm, MaxPool2D)
+from .layers import (ELU, Activation, AvgPool2D, BatchNorm, Conv2D, Dense, Dropout,  # noqa: F401
+                     Embedding, Flatten, GlobalAvgPool2D, LayerNorm, LeakyReLU, MaxPool2D)
 from .parameter import DeferredInitializationError, Parameter, ParameterDict  # noqa: F401
 
 

@@ -15,10 +15,21 @@ from .block import HybridBlock
 from .parameter import Parameter
 
 __all__ = ["Dense", "Conv2D", "MaxPool2D", "AvgPool2D", "GlobalAvgPool2D", "BatchNorm",
-           "Dropout", "Flatten", "Activation", "Embedding", "LayerNorm"]
+           "Dropout", "Flatten", "Activation", "LeakyReLU", "ELU", "Embedding", "LayerNorm"]
+
+
+def _silu(x):
+    """x * sigmoid(x) (SiLU / Swish-1; Elfwing et al. 2018, Ramachandran et al. 2017)."""
+    return x * F.sigmoid(x)
+
+
+def _softsign(x):
+    """x / (1 + |x|)."""
+    return x / (F.abs(x) + 1.0)
+
 
 _ACTS = {"relu": F.relu, "sigmoid": F.sigmoid, "tanh": F.tanh, "softrelu": F.softplus,
-         "softplus": F.softplus}
+         "softplus": F.softplus, "silu": _silu, "swish": _silu, "softsign": _softsign}
 
 
 def _act(name):
@@ -186,7 +197,13 @@ class Flatten(HybridBlock):
 
 
 class Activation(HybridBlock):
-    """Elementwise activation: 'relu', 'sigmoid', 'tanh' or 'softrelu'."""
+    """Elementwise activation by name: 'relu', 'sigmoid', 'tanh', 'softrelu' (= 'softplus',
+    log(1 + e^x)), 'silu' (= 'swish', x sigmoid(x)) or 'softsign' (x / (1 + |x|)). For
+    leaky ReLU and ELU, which take a parameter, see :class:`LeakyReLU` and :class:`ELU`.
+
+    Raises:
+        ValueError: an unknown name.
+    """
 
     def __init__(self, activation):
         super().__init__()
@@ -200,6 +217,49 @@ class Activation(HybridBlock):
 
     def _extra_repr(self):
         return self._name
+
+
+class LeakyReLU(HybridBlock):
+    """``x if x > 0 else alpha * x`` (Maas et al. 2013); the gradient at 0 is ``alpha``, as
+    PyTorch's. Shapes: any -> same.
+
+    Raises:
+        ValueError: ``alpha`` not a number >= 0.
+    """
+
+    def __init__(self, alpha=0.01):
+        super().__init__()
+        if not _is_real(alpha) or not alpha >= 0:
+            raise ValueError(f"LeakyReLU: alpha must be a number >= 0, got {alpha!r}")
+        self._alpha = float(alpha)
+
+    def forward(self, x):
+        return F.where(x > 0, x, x * self._alpha)
+
+    def _extra_repr(self):
+        return f"alpha={self._alpha}"
+
+
+class ELU(HybridBlock):
+    """``x if x > 0 else alpha * (exp(x) - 1)`` (Clevert et al. 2016). Shapes: any -> same.
+    The exponential is taken of ``min(x, 0)``, so large inputs give no inf (nor a NaN
+    gradient through the branch not taken).
+
+    Raises:
+        ValueError: ``alpha`` not a number >= 0.
+    """
+
+    def __init__(self, alpha=1.0):
+        super().__init__()
+        if not _is_real(alpha) or not alpha >= 0:
+            raise ValueError(f"ELU: alpha must be a number >= 0, got {alpha!r}")
+        self._alpha = float(alpha)
+
+    def forward(self, x):
+        return F.where(x > 0, x, F.expm1(F.minimum(x, 0.0)) * self._alpha)
+
+    def _extra_repr(self):
+        return f"alpha={self._alpha}"
 
 
 class Dropout(HybridBlock):
