@@ -219,7 +219,21 @@ class Activation(HybridBlock):
         return self._name
 
 
-class LeakyReLU(HybridBlock):
+class _AlphaActivation(HybridBlock):
+    """An activation with one parameter ``alpha`` >= 0 (the slope or scale of its negative
+    side)."""
+
+    def __init__(self, alpha):
+        super().__init__()
+        if not _is_real(alpha) or not alpha >= 0:
+            raise ValueError(f"{type(self).__name__}: alpha must be a number >= 0, got {alpha!r}")
+        self._alpha = float(alpha)
+
+    def _extra_repr(self):
+        return f"alpha={self._alpha}"
+
+
+class LeakyReLU(_AlphaActivation):
     """``x if x > 0 else alpha * x`` (Maas et al. 2013); the gradient at 0 is ``alpha``, as
     PyTorch's. Shapes: any -> same.
 
@@ -228,19 +242,13 @@ class LeakyReLU(HybridBlock):
     """
 
     def __init__(self, alpha=0.01):
-        super().__init__()
-        if not _is_real(alpha) or not alpha >= 0:
-            raise ValueError(f"LeakyReLU: alpha must be a number >= 0, got {alpha!r}")
-        self._alpha = float(alpha)
+        super().__init__(alpha)
 
     def forward(self, x):
         return F.where(x > 0, x, x * self._alpha)
 
-    def _extra_repr(self):
-        return f"alpha={self._alpha}"
 
-
-class ELU(HybridBlock):
+class ELU(_AlphaActivation):
     """``x if x > 0 else alpha * (exp(x) - 1)`` (Clevert et al. 2016). Shapes: any -> same.
     The exponential is taken of ``min(x, 0)``, so large inputs give no inf (nor a NaN
     gradient through the branch not taken).
@@ -250,16 +258,10 @@ class ELU(HybridBlock):
     """
 
     def __init__(self, alpha=1.0):
-        super().__init__()
-        if not _is_real(alpha) or not alpha >= 0:
-            raise ValueError(f"ELU: alpha must be a number >= 0, got {alpha!r}")
-        self._alpha = float(alpha)
+        super().__init__(alpha)
 
     def forward(self, x):
         return F.where(x > 0, x, F.expm1(F.minimum(x, 0.0)) * self._alpha)
-
-    def _extra_repr(self):
-        return f"alpha={self._alpha}"
 
 
 class Dropout(HybridBlock):
