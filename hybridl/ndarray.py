@@ -11,6 +11,7 @@ computes a new backend array and re-binds it, ordered by the engine as a write o
 Kernels may therefore return views of their inputs (reshape, transpose, slicing are free).
 """
 import numbers
+import sys
 
 import numpy as np
 
@@ -241,7 +242,7 @@ class NDArray:
 
     # ------------------------------------------------------------------ indexing
     def __getitem__(self, key):
-        if isinstance(key, NDArray):
+        if isinstance(key, NDArray) or _is_symbol(key):     # a traced index: in traced code
             if key.dtype.kind == "b":
                 raise TypeError("boolean-mask indexing is not supported (data-dependent shape); "
                                 "use hl.nd.where")
@@ -777,7 +778,7 @@ def arange(start, stop=None, step=1, dtype=None, device=None):
 def zeros_like(x, dtype=None):
     """Zeros with ``x``'s shape, device and (unless given) dtype. Of a traced array (inside
     hybridized code) a traced value of the program."""
-    if not isinstance(x, NDArray):
+    if _is_symbol(x):
         y = M.zeros_like_op(x)
         return y if dtype is None else M.cast(y, dtype)
     return zeros(x.shape, dtype or x.dtype, x.device)
@@ -786,10 +787,16 @@ def zeros_like(x, dtype=None):
 def ones_like(x, dtype=None):
     """Ones with ``x``'s shape, device and (unless given) dtype. Of a traced array (inside
     hybridized code) a traced value of the program."""
-    if not isinstance(x, NDArray):
+    if _is_symbol(x):
         y = M.ones_like_op(x)
         return y if dtype is None else M.cast(y, dtype)
     return ones(x.shape, dtype or x.dtype, x.device)
+
+
+def _is_symbol(x):
+    """Whether ``x`` is a traced value (a Symbol of hybridl.graph, which may not be loaded)."""
+    ir = sys.modules.get("hybridl.graph.ir")
+    return ir is not None and isinstance(x, ir.Symbol)
 
 
 def full_like(x, fill_value, dtype=None):

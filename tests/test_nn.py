@@ -821,6 +821,8 @@ def test_more_activations_values_gradients_and_hybridized(name, block, ref):
     assert np.all(np.isfinite(g))
     if name == "leaky":
         assert g[0, 0] == pytest.approx(0.1 * w[0, 0])     # PyTorch's gradient at 0
+    if name == "elu":
+        assert g[0, 0] == pytest.approx(0.7 * w[0, 0])     # alpha, PyTorch's (not alpha / 2)
     x32 = hl.nd.array(x.astype(np.float32))
     eager = b(x32).asnumpy()
     b.hybridize()

@@ -197,23 +197,13 @@ def _copy_methods():
             "attach_grad", "backward", "detach", "copyto", "to", "as_in_device", "_assign",
             "tolist", "copy",
             "__setitem__", "_inplace", "__iadd__", "__isub__", "__imul__", "__itruediv__",
-            "astype", "grad", "grad_req", "zeros_like", "ones_like", "__getitem__",
+            "astype", "grad", "grad_req", "zeros_like", "ones_like",
             "__slots__", "__weakref__", "__module__", "__doc__", "__array_priority__"}
     for name, val in NDArray.__dict__.items():
         if name in skip or name in Symbol.__dict__:
             continue
         if callable(val) or isinstance(val, property):
             setattr(Symbol, name, val)
-    base_getitem = NDArray.__getitem__
-
-    def getitem(self, key):
-        if isinstance(key, Symbol):             # x[i] with a traced index array: take
-            if key.dtype.kind == "b":
-                raise TypeError("boolean-mask indexing is not supported (data-dependent shape); "
-                                "use hl.nd.where")
-            return M.take(self, key, axis=0, mode="raise")
-        return base_getitem(self, key)
-    Symbol.__getitem__ = getitem
     Symbol.detach = lambda self: M.stop_gradient(self)
     Symbol.zeros_like = lambda self: M.zeros_like_op(self)
     Symbol.ones_like = lambda self: M.ones_like_op(self)

@@ -250,8 +250,8 @@ class LeakyReLU(_AlphaActivation):
 
 class ELU(_AlphaActivation):
     """``x if x > 0 else alpha * (exp(x) - 1)`` (Clevert et al. 2016). Shapes: any -> same.
-    The exponential is taken of ``min(x, 0)``, so large inputs give no inf (nor a NaN
-    gradient through the branch not taken).
+    The exponential is taken of 0 where x > 0, so large inputs give no inf (nor a NaN
+    gradient through the branch not taken); the gradient at 0 is ``alpha``, as PyTorch's.
 
     Raises:
         ValueError: ``alpha`` not a number >= 0.
@@ -261,7 +261,10 @@ class ELU(_AlphaActivation):
         super().__init__(alpha)
 
     def forward(self, x):
-        return F.where(x > 0, x, F.expm1(F.minimum(x, 0.0)) * self._alpha)
+        pos = x > 0
+        # exp of 0 where x > 0 (no inf); where, not minimum: the gradient at x = 0 is alpha
+        # (PyTorch's), minimum would split it at the tie
+        return F.where(pos, x, F.expm1(F.where(pos, F.zeros_like(x), x)) * self._alpha)
 
 
 class Dropout(HybridBlock):
