@@ -1734,3 +1734,33 @@ def test_losses_take_sample_weight_as_gluon():
                                    want, rtol=1e-5)
     with pytest.raises(ValueError, match="sample_weight"):
         l2(nd.array(pred), nd.array(lab), sample_weight=nd.ones((3, 4)))
+
+
+def test_zeros_like_of_numpy_and_a_captured_table_indexed_in_traced_code():
+    z = nd.zeros_like(np.ones((2, 3), np.float32))
+    assert z.shape == (2, 3) and z.asnumpy().sum() == 0
+    assert nd.ones_like(np.ones(2, np.float64)).dtype == np.float64
+    table = nd.array(np.arange(12, dtype=np.float32).reshape(4, 3))
+    got = hl.jit(lambda i: table[i] * 2)(nd.array([3, 0]))
+    np.testing.assert_array_equal(got.asnumpy(), table.asnumpy()[[3, 0]] * 2)
+
+
+def test_dataloader_nested_samples_keep_every_field():
+    class D(hl.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            d = {"x": [1.0 * i, 2.0, 3.0], "p": (np.full(2, i), i), "n": {"b": np.ones(2) * i}}
+            if i % 2:                               # key order may vary between samples
+                d = dict(reversed(list(d.items())))
+            return d, i
+
+    for workers in (0, 2):
+        batches = list(hl.data.DataLoader(D(), batch_size=2, num_workers=workers))
+        b, y = batches[1]
+        assert [a.asnumpy().tolist() for a in b["x"]] == [[2.0, 3.0], [2.0, 2.0], [3.0, 3.0]]
+        np.testing.assert_array_equal(b["p"][0].asnumpy(), [[2, 2], [3, 3]])
+        np.testing.assert_array_equal(b["p"][1].asnumpy(), [2, 3])
+        np.testing.assert_array_equal(b["n"]["b"].asnumpy(), [[2, 2], [3, 3]])
+        np.testing.assert_array_equal(y.asnumpy(), [2, 3])

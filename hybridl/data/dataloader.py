@@ -48,45 +48,49 @@ def _check_int(name, value, minimum, maximum=None, allow_none=False):
 
 
 def default_batchify_fn(samples):
-    """Stack a list of samples into a tuple of NumPy arrays.
+    """Stack a list of samples into a batch: a tuple of NumPy arrays (or a dict).
 
-    Each sample is an array/scalar or a tuple/list of them; field ``k`` of the batch is
-    ``np.stack([s[k] for s in samples])`` (shape ``(len(samples),) + field_shape``, dtype as
-    NumPy's stacking gives; Python ints become int64, floats float64). Samples that are dicts
-    give a dict batch, one stacked array per key (as PyTorch's default collate).
+    Each sample is an array/scalar, a tuple/list of fields, or a dict; field ``k`` of the
+    batch is ``np.stack([s[k] for s in samples])`` (shape ``(len(samples),) + field_shape``,
+    dtype as NumPy's stacking gives; Python ints become int64, floats float64). Fields that
+    are themselves tuples/lists or dicts are batched the same way, recursively (a dict sample
+    gives a dict batch with its keys, as PyTorch's default collate).
 
     Raises:
-        ValueError: samples have different numbers of fields, keys or field shapes.
+        ValueError: samples have different numbers of fields, different keys, or different
+            field shapes (the message gives the field's path, e.g. ``['x'][1]``).
     """
+    out = _collate(samples, "")
+    return out if isinstance(out, (tuple, dict)) else (out,)
+
+
+def _collate(samples, path):
     first = samples[0]
     if isinstance(first, dict):
         keys = list(first)
         for s in samples:
-            if not isinstance(s, dict) or list(s) != keys:
-                raise ValueError(f"batchify: every sample must be a dict with the keys {keys} "
-                                 f"like the first one, got {type(s).__name__} "
-                                 f"{list(s) if isinstance(s, dict) else ''}")
-        return {k: default_batchify_fn([s[k] for s in samples])[0] for k in keys}
+            if not isinstance(s, dict) or set(s) != set(keys):
+                raise ValueError(f"batchify: every sample{path} must be a dict with the keys "
+                                 f"{sorted(keys, key=str)} like the first one, got "
+                                 f"{type(s).__name__} "
+                                 f"{sorted(s, key=str) if isinstance(s, dict) else ''}")
+        return {k: _collate([s[k] for s in samples], f"{path}[{k!r}]") for k in keys}
     if isinstance(first, (tuple, list)):
         nfields = len(first)
         for s in samples:
             if not isinstance(s, (tuple, list)) or len(s) != nfields:
-                raise ValueError(f"batchify: every sample must have {nfields} fields like the "
-                                 f"first one, got {type(s).__name__} of length "
+                raise ValueError(f"batchify: every sample{path} must have {nfields} fields like "
+                                 f"the first one, got {type(s).__name__} of length "
                                  f"{len(s) if hasattr(s, '__len__') else '?'}")
-        fields = [[s[k] for s in samples] for k in range(nfields)]
-    else:
-        fields = [samples]
-    out = []
-    for k, f in enumerate(fields):
-        f = [np.asarray(x.asnumpy()) if hasattr(x, "asnumpy") else x for x in f]
-        try:
-            out.append(np.stack(f))
-        except ValueError as exc:
-            shapes = sorted({np.shape(x) for x in f})
-            raise ValueError(f"batchify: field {k} of the samples has different shapes "
-                             f"{shapes[:4]}; cannot stack ({exc})") from exc
-    return tuple(out)
+        return tuple(_collate([s[k] for s in samples], f"{path}[{k}]") for k in range(nfields))
+    f = [np.asarray(x.asnumpy()) if hasattr(x, "asnumpy") else x for x in samples]
+    try:
+        return np.stack(f)
+    except ValueError as exc:
+        shapes = sorted({np.shape(x) for x in f})
+        where = f"field {path}" if path else "the samples"
+        raise ValueError(f"batchify: {where} has different shapes {shapes[:4]}; cannot stack "
+                         f"({exc})") from exc
 
 
 def _draw_seed():
@@ -291,9 +295,13 @@ class DataLoader:
                 return (a if self.device is None or a.device == _device(self.device)
                         else a.copyto(_device(self.device)))
             return array(np.asarray(a), device=self.device)
-        if isinstance(batch, dict):
-            return {k: convert(a) for k, a in batch.items()}
-        return tuple(convert(a) for a in batch)
+        def walk(a):                # nested tuples and dicts of arrays (see default_batchify_fn)
+            if isinstance(a, dict):
+                return {k: walk(v) for k, v in a.items()}
+            if isinstance(a, (tuple, list)):
+                return tuple(walk(v) for v in a)
+            return convert(a)
+        return walk(batch) if isinstance(batch, dict) else tuple(walk(a) for a in batch)
 
     def _iter_numpy(self, batches):
         if self.num_workers == 0 or not batches:
