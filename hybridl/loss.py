@@ -14,9 +14,10 @@ __all__ = ["Loss", "SoftmaxCrossEntropyLoss", "L2Loss", "L1Loss", "SigmoidBinary
 class Loss(HybridBlock):
     """Base class: ``weight`` scales the loss; ``batch_axis`` is kept, other axes averaged.
 
-    Every loss is called as ``loss(pred, label, sample_weight=None)``: ``sample_weight``
-    (an NDArray: (N,) or (N, 1), one weight per sample, or any shape broadcastable to the
-    per-element loss, as MXNet Gluon's) multiplies the loss before the average.
+    Every loss is called as ``loss(pred, label, sample_weight=None)``: ``sample_weight`` (an
+    NDArray, a NumPy array or a number) multiplies the per-element loss before the average,
+    broadcast by NumPy's rules as in MXNet Gluon: one weight per sample is (N, 1) for an
+    (N, C) loss, (N,) or (N, 1) for an (N,) loss (softmax cross-entropy).
 
     Raises:
         ValueError: pred and label shapes differ (where they must match), or sample_weight
@@ -27,16 +28,19 @@ class Loss(HybridBlock):
         super().__init__()
         self._weight, self._batch_axis = weight, batch_axis
 
+    def __call__(self, pred, label, sample_weight=None):
+        # positional for a hybridized loss (a traced call takes arrays only); None: two inputs
+        if sample_weight is None:
+            return super().__call__(pred, label)
+        if not isinstance(sample_weight, F.NDArray):
+            sample_weight = F.array(np.asarray(sample_weight, dtype=pred.dtype), device=pred.device)
+        return super().__call__(pred, label, sample_weight)
+
     def _finish(self, loss, sample_weight=None):
         if sample_weight is not None:
             sw = sample_weight
             if len(sw.shape) == len(loss.shape) + 1 and sw.shape[-1] == 1:
                 sw = F.reshape(sw, tuple(sw.shape[:-1]))    # (N, 1) weights of (N,) losses
-            elif (len(sw.shape) == 1 < len(loss.shape)
-                  and sw.shape[0] == loss.shape[self._batch_axis] != 1):
-                # (N,): one weight per sample, along the batch axis
-                sw = F.reshape(sw, tuple(sw.shape[0] if i == self._batch_axis else 1
-                                         for i in range(len(loss.shape))))
             try:
                 ok = np.broadcast_shapes(tuple(loss.shape), tuple(sw.shape)) == tuple(loss.shape)
             except ValueError:
@@ -44,7 +48,8 @@ class Loss(HybridBlock):
             if not ok:
                 raise ValueError(f"{type(self).__name__}: sample_weight of shape "
                                  f"{tuple(sample_weight.shape)} does not broadcast to the loss's "
-                                 f"shape {tuple(loss.shape)}")
+                                 f"shape {tuple(loss.shape)} (NumPy broadcasting: one weight "
+                                 f"per sample of an (N, C) loss has shape (N, 1))")
             loss = loss * sw
         if self._weight is not None:
             loss = loss * self._weight

@@ -1722,9 +1722,19 @@ def test_losses_take_sample_weight_as_gluon():
     sw = np.array([1.0, 0.0, 2.0, 0.5], np.float32)
     l2 = hl.loss.L2Loss()
     want = (0.5 * (pred - lab) ** 2 * sw[:, None]).mean(axis=1)
-    for w in (sw, sw[:, None]):
-        np.testing.assert_allclose(l2(nd.array(pred), nd.array(lab), sample_weight=nd.array(w)).asnumpy(),
-                                   want, rtol=1e-6)
+    np.testing.assert_allclose(l2(nd.array(pred), nd.array(lab), nd.array(sw[:, None])).asnumpy(),
+                               want, rtol=1e-6)
+    cw = np.array([1.0, 2.0, 0.0], np.float32)        # (C,): per column, NumPy's broadcasting
+    np.testing.assert_allclose(l2(nd.array(pred), nd.array(lab), sample_weight=cw).asnumpy(),
+                               (0.5 * (pred - lab) ** 2 * cw).mean(axis=1), rtol=1e-6)
+    np.testing.assert_allclose(l2(nd.array(pred), nd.array(lab), 2.0).asnumpy(),
+                               (pred - lab).__pow__(2).mean(axis=1), rtol=1e-6)
+    l2.hybridize()
+    for w in (None, nd.array(sw[:, None])):
+        hyb = l2(nd.array(pred), nd.array(lab), w).asnumpy()
+        l2.hybridize(False)
+        np.testing.assert_array_equal(hyb, l2(nd.array(pred), nd.array(lab), w).asnumpy())
+        l2.hybridize()
     ce = hl.loss.SoftmaxCrossEntropyLoss()
     y = np.array([0, 2, 1, 1])
     logp = pred - np.log(np.exp(pred).sum(axis=1, keepdims=True))
@@ -1732,8 +1742,8 @@ def test_losses_take_sample_weight_as_gluon():
     for w in (sw, sw[:, None]):
         np.testing.assert_allclose(ce(nd.array(pred), nd.array(y), sample_weight=nd.array(w)).asnumpy(),
                                    want, rtol=1e-5)
-    with pytest.raises(ValueError, match="sample_weight"):
-        l2(nd.array(pred), nd.array(lab), sample_weight=nd.ones((3, 4)))
+    with pytest.raises(ValueError, match=r"sample_weight.*\(N, 1\)"):
+        hl.loss.L2Loss()(nd.array(pred), nd.array(lab), sample_weight=nd.ones((4,)))
 
 
 def test_zeros_like_of_numpy_and_a_captured_table_indexed_in_traced_code():
