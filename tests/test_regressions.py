@@ -1774,3 +1774,46 @@ def test_dataloader_nested_samples_keep_every_field():
         np.testing.assert_array_equal(b["p"][1].asnumpy(), [2, 3])
         np.testing.assert_array_equal(b["n"]["b"].asnumpy(), [[2, 2], [3, 3]])
         np.testing.assert_array_equal(y.asnumpy(), [2, 3])
+
+
+def test_jit_method_objects_copy_and_call_through_the_class():
+    import copy
+
+    class Model:
+        def __init__(self, k):
+            self.k = k
+
+        @hl.jit
+        def f(self, x):
+            return x * self.k
+
+        @classmethod
+        @hl.jit
+        def g(cls, x):
+            return x + 1
+
+    x = nd.array([1.0, 2.0])
+    a = Model(2.0)
+    np.testing.assert_array_equal(a.f(x).asnumpy(), [2, 4])
+    c = copy.copy(a)
+    c.k = 9.0
+    np.testing.assert_array_equal(c.f(x).asnumpy(), [9, 18])     # its own program, its own k
+    d = copy.deepcopy(a)
+    np.testing.assert_array_equal(d.f(x).asnumpy(), [2, 4])
+    assert not any(k.startswith("_hl") for k in vars(a))    # nothing of hybridl's in the object
+    np.testing.assert_array_equal(Model.f(a, x).asnumpy(), [2, 4])
+    np.testing.assert_array_equal(Model.g(x).asnumpy(), [2, 3])
+
+    class Slots:
+        __slots__ = ("k",)
+
+        def __init__(self):
+            self.k = 1.0
+
+        @hl.jit
+        def f(self, x):
+            return x * self.k
+    with pytest.raises(TypeError, match="__weakref__"):
+        Slots().f(x)
+    with pytest.raises(TypeError, match="below that decorator"):
+        hl.jit(classmethod(lambda cls, x: x))

@@ -13,7 +13,9 @@ half of the joint forward+backward program (``gradient`` pass + split); its grad
 the compiled backward half, so ``loss.backward()`` runs compiled code too.
 """
 import functools
+import inspect
 import warnings
+import weakref
 
 from .. import autograd
 from ..ndarray import NDArray
@@ -21,7 +23,7 @@ from ..ops import math as M
 from ..ops.dispatch import apply
 from . import trace as _trace
 from .autodiff import gradient, split_forward_backward
-from .ir import Graph, Node, TracingError
+from .ir import Graph, Node, Symbol, TracingError
 from .program import Program
 
 __all__ = ["call_cached", "jit", "CacheInfo", "RETRACE_WARN", "trace_graph"]
@@ -316,8 +318,16 @@ def cache_info(block):
 
 class _JitFunction:
     def __init__(self, fn, static_argnames, passes):
+        if isinstance(fn, (classmethod, staticmethod)) or not callable(fn):
+            raise TypeError(f"hl.jit: expected a function, got {type(fn).__name__}; on a "
+                            f"classmethod or staticmethod put @hl.jit below that decorator")
         functools.update_wrapper(self, fn)
         self._fn = fn
+        try:                                # a method called through its class: Cls.m(obj, x)
+            first = next(iter(inspect.signature(fn).parameters), None)
+        except (TypeError, ValueError):
+            first = None
+        self._method = first in ("self", "cls")
         if isinstance(static_argnames, str):    # one name, as jax.jit takes it
             static_argnames = (static_argnames,)
         self._static = tuple(static_argnames or ())
@@ -328,6 +338,8 @@ class _JitFunction:
         self._cache = _Cache()
 
     def __call__(self, *args, **kwargs):
+        if self._method and args and not isinstance(args[0], (NDArray, Symbol)):
+            return self.__get__(args[0])(*args[1:], **kwargs)
         if _trace._tls.__dict__.get("ctx") is not None:
             # called while another program is being traced (from a hybridized forward or
             # another jit function): inlined into that program, like a child block
@@ -370,23 +382,30 @@ class _JitFunction:
 
     def __get__(self, obj, objtype=None):
         """``@hl.jit`` on a method: ``obj.method`` is a jit function of its own, with ``obj``
-        bound (one cache per object; the object's parameters are program inputs, as in a
-        hybridized block)."""
+        bound (one cache per object, held here by a weak reference: copies of the object get
+        their own; the object's parameters are program inputs, as in a hybridized block).
+
+        Raises:
+            TypeError: the object cannot be weakly referenced (``__slots__`` without
+                ``'__weakref__'``) or is unhashable."""
         if obj is None:
             return self
-        key = f"_hl_jit_{id(self)}"
-        bound = obj.__dict__.get(key) if hasattr(obj, "__dict__") else None
+        bound_by_obj = self.__dict__.setdefault("_bound", weakref.WeakKeyDictionary())
+        try:
+            bound = bound_by_obj.get(obj)
+        except TypeError:
+            raise TypeError(f"@hl.jit on method {self._fn.__name__!r}: {type(obj).__name__} "
+                            f"objects must support weak references and hashing (add "
+                            f"'__weakref__' to __slots__), so that each keeps its programs") from None
         if bound is None:
             fn = self._fn
 
             @functools.wraps(fn)
             def method(*args, **kwargs):
-                return fn(obj, *args, **kwargs)
+                return fn(obj_ref(), *args, **kwargs)
+            obj_ref = weakref.ref(obj)              # the cache must not keep obj alive
             bound = _JitFunction(method, self._static, self._passes)
-            try:
-                object.__setattr__(obj, key, bound)
-            except (AttributeError, TypeError):     # no __dict__ (slots): not cached
-                pass
+            bound_by_obj[obj] = bound
         return bound
 
     def cache_info(self):
