@@ -1817,3 +1817,18 @@ def test_jit_method_objects_copy_and_call_through_the_class():
         Slots().f(x)
     with pytest.raises(TypeError, match="below that decorator"):
         hl.jit(classmethod(lambda cls, x: x))
+
+
+def test_load_states_skips_parameters_frozen_since(tmp_path):
+    net = nn.HybridSequential()
+    net.add(nn.Dense(3, in_units=2), nn.Dense(2, in_units=3))
+    net.initialize()
+    tr = hl.Trainer(net.collect_params(), "adam", {"learning_rate": 0.1})
+    with ag.record():
+        net(nd.ones((2, 2))).sum().backward()
+    tr.step(2)
+    tr.save_states(str(tmp_path / "s"))
+    net[0].weight.grad_req = "null"
+    tr2 = hl.Trainer(net.collect_params(), "adam", {"learning_rate": 0.1})
+    tr2.load_states(str(tmp_path / "s"))
+    assert sorted(tr2._names[i] for i, _ in tr2._states) == ["0.bias", "1.bias", "1.weight"]

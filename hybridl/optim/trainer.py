@@ -287,7 +287,8 @@ class Trainer:
     def load_states(self, path):
         """Load optimizer state saved by :meth:`save_states`.
 
-        States are matched to this trainer's parameters by name. A parameter's states on its
+        States are matched to this trainer's parameters by name (the states of parameters
+        frozen since, ``grad_req='null'``, are skipped). A parameter's states on its
         devices are matched in device order when the file has as many copies (so a run saved
         on ``cpu(0)`` resumes on ``cpu(1)``), and one saved copy is given to every copy here
         (replicas hold the same state). Everything is checked before anything changes.
@@ -323,6 +324,9 @@ class Trainer:
             name, _, _ = key.rpartition("@")
             saved.setdefault(name, []).append(key)
         index = {n: i for i, n in enumerate(self._names)}
+        # parameters of this trainer frozen now (grad_req='null'): their state is not needed
+        frozen = {p.name for p in self._all_params if p.grad_req == "null"} - set(index)
+        saved = {n: k for n, k in saved.items() if n not in frozen}
         extra = [n for n in saved if n not in index]
         if extra:
             raise ValueError(
