@@ -1832,3 +1832,41 @@ def test_load_states_skips_parameters_frozen_since(tmp_path):
     tr2 = hl.Trainer(net.collect_params(), "adam", {"learning_rate": 0.1})
     tr2.load_states(str(tmp_path / "s"))
     assert sorted(tr2._names[i] for i, _ in tr2._states) == ["0.bias", "1.bias", "1.weight"]
+
+
+def test_in_place_on_traced_intermediates_follows_eager_rules():
+    def up(x):
+        y = x * 1
+        y += x.astype("float64")            # stays float32, as eager
+        return y
+
+    def to_int(x):
+        y = x.astype("int64") * 1
+        y += 0.5                            # float into int: refused, as eager
+        return y
+
+    def grow(x):
+        y = x.sum()
+        y += x                              # would change the shape: refused, as eager
+        return y
+
+    def alias(x):
+        y = x.astype("float32", copy=False)     # the input itself, as eager
+        y += 1
+        return y
+
+    x = nd.ones((2, 3))
+    assert hl.jit(up)(x).dtype == up(x).dtype == np.float32
+    np.testing.assert_array_equal(hl.jit(up)(x).asnumpy(), up(x).asnumpy())
+    for f, err in ((to_int, TypeError), (grow, ValueError)):
+        with pytest.raises(err):
+            f(nd.ones((2, 3)))
+        with pytest.raises(err):
+            hl.jit(f)(nd.ones((2, 3)))
+    with pytest.raises(hl.TracingError, match="in-place"):
+        hl.jit(alias)(nd.ones((2, 3)))
+    q = hl.sym.var("a", shape=(2,))
+    r = hl.sym.var("a", shape=(2,))
+    prog = hl.compile(q - r)
+    with pytest.raises(TypeError, match="share a name"):
+        prog(a=np.ones(2, np.float32))

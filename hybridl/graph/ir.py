@@ -169,7 +169,18 @@ class Symbol:
                 f"in-place update (x {sym}= ...) of {what} while hybridizing, at "
                 f"{_user_site()}: run imperatively it changes the caller's array, compiled it "
                 f"would not; write y = x {sym} ... (a new array) instead")
-        return fn(self, other)              # an intermediate value: the new array rebinds it
+        # an intermediate value: the new array rebinds it, with eager in-place rules: the
+        # shape stays, and the result is cast back to the array's dtype (NumPy 'same_kind')
+        res = fn(self, other)
+        if tuple(res.shape) != tuple(self.shape):
+            raise ValueError(f"in-place {sym}=: the result's shape {tuple(res.shape)} differs from "
+                             f"the array's {tuple(self.shape)}, at {_user_site()}")
+        if res.dtype != self.dtype:
+            if not np.can_cast(res.dtype, self.dtype, casting="same_kind"):
+                raise TypeError(f"in-place {sym}=: cannot cast the result from {res.dtype} to the "
+                                f"array's {self.dtype} (casting rule 'same_kind'), at {_user_site()}")
+            res = M.cast(res, self.dtype)
+        return res
 
     def __iadd__(self, other):
         return self._inplace(M.add, other, "+")
@@ -184,6 +195,8 @@ class Symbol:
         return self._inplace(M.divide, other, "/")
 
     def astype(self, dtype, copy=True):
+        if not copy and np.dtype(dtype) == self.dtype:
+            return self                     # as NDArray.astype(copy=False): the same array
         return M.cast(self, dtype)
 
     def attach_grad(self, *a, **k):

@@ -113,6 +113,10 @@ class Program:
         from ..ops.dispatch import apply
         if kwargs:
             names = list(self.input_names)
+            if len(set(names)) != len(names):
+                dup = sorted({n for n in names if names.count(n) > 1})
+                raise TypeError(f"{self.op.name}: inputs {dup} share a name; pass the inputs "
+                                f"by position (order: {names})")
             unknown = [k for k in kwargs if k not in names]
             if unknown:
                 raise TypeError(f"{self.op.name}: unknown input name(s) {unknown}; inputs: {names}")
