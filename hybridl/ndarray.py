@@ -432,6 +432,13 @@ class NDArray:
         """``self op= other`` as ONE engine op that reads and writes ``self`` (two ops would let
         another thread's update slip in between and be lost). ``priority``/``skip_clean``: as
         for :meth:`Engine.push`."""
+        if _is_symbol(other):
+            from .graph.ir import TracingError, _user_site
+            raise TracingError(
+                f"in-place update of an array made outside the traced values (e.g. acc = "
+                f"nd.zeros(...)) with a traced value while hybridizing, at {_user_site()}: a "
+                f"compiled program cannot write into it; start from a traced value instead "
+                f"(acc = nd.zeros_like(x)), or write acc = acc + ...")
         if _ag.is_recording() and (_tracked(self) or (isinstance(other, NDArray) and _tracked(other))):
             raise RuntimeError("in-place update inside autograd.record() would not be recorded "
                                "(or would corrupt the gradient); write y = x + v instead of x += v")

@@ -1870,3 +1870,18 @@ def test_in_place_on_traced_intermediates_follows_eager_rules():
     prog = hl.compile(q - r)
     with pytest.raises(TypeError, match="share a name"):
         prog(a=np.ones(2, np.float32))
+
+
+def test_in_place_into_an_eager_array_from_traced_code_says_how():
+    def f(x):
+        acc = nd.zeros((2, 3))
+        acc += x
+        return acc
+
+    def g(x):
+        acc = nd.zeros_like(x)
+        acc += x
+        return acc
+    with pytest.raises(hl.TracingError, match="zeros_like"):
+        hl.jit(f)(nd.ones((2, 3)))
+    np.testing.assert_array_equal(hl.jit(g)(nd.ones((2, 3))).asnumpy(), np.ones((2, 3)))
