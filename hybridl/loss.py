@@ -3,6 +3,9 @@
 ``SoftmaxCrossEntropyLoss``, ``L2Loss``, ``L1Loss``, ``SigmoidBinaryCrossEntropyLoss`` (MXNet
 Gluon's definitions).
 """
+import inspect
+import numbers
+
 import numpy as np
 
 from . import nd as F
@@ -28,13 +31,32 @@ class Loss(HybridBlock):
         super().__init__()
         self._weight, self._batch_axis = weight, batch_axis
 
-    def __call__(self, pred, label, sample_weight=None):
-        # positional for a hybridized loss (a traced call takes arrays only); None: two inputs
-        if sample_weight is None:
-            return super().__call__(pred, label)
-        if not isinstance(sample_weight, F.NDArray):
-            sample_weight = F.array(np.asarray(sample_weight, dtype=pred.dtype), device=pred.device)
-        return super().__call__(pred, label, sample_weight)
+    def __call__(self, *args, **kwargs):
+        # the standard signature forward(pred, label, sample_weight=None): sample_weight
+        # passed positionally (a hybridized call takes arrays only), dropped when None, and a
+        # number or NumPy array made an NDArray; other signatures (subclasses) as they are
+        if type(self)._standard() and len(args) + len(kwargs) == 3 and len(args) >= 2 \
+                and set(kwargs) <= {"sample_weight"}:
+            pred, label = args[:2]
+            sw = args[2] if len(args) == 3 else kwargs["sample_weight"]
+            if sw is None:
+                return super().__call__(pred, label)
+            if isinstance(sw, (numbers.Number, np.ndarray, np.generic)):
+                sw = F.array(np.asarray(sw, dtype=pred.dtype), device=pred.device)
+            return super().__call__(pred, label, sw)
+        return super().__call__(*args, **kwargs)
+
+    @classmethod
+    def _standard(cls):
+        std = cls.__dict__.get("_std_sig")
+        if std is None:
+            try:
+                names = list(inspect.signature(cls.forward).parameters)
+            except (TypeError, ValueError):
+                names = []
+            std = names == ["self", "pred", "label", "sample_weight"]
+            type.__setattr__(cls, "_std_sig", std)
+        return std
 
     def _finish(self, loss, sample_weight=None):
         if sample_weight is not None:

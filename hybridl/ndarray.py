@@ -169,6 +169,22 @@ class NDArray:
         self._grad = None if grad_req == "null" else zeros(self.shape, self.dtype, self.device)
         return self
 
+    def __deepcopy__(self, memo):
+        """A new array (new engine variable) holding a copy of the value (waits for it), the
+        same ``grad_req`` and a copy of the gradient; a leaf for autograd. (The default deep
+        copy duplicated the engine's bookkeeping, and waiting on the copy hung.)"""
+        new = NDArray(self.shape, self.dtype, self.device, self.asnumpy())
+        memo[id(self)] = new
+        if self._grad_req != "null":
+            new.attach_grad(self._grad_req)
+            if self._grad is not None:
+                new._grad._data = self._grad.asnumpy()
+        return new
+
+    def __copy__(self):
+        """A shallow copy is the same array (NDArrays are handles, as in MXNet)."""
+        return self
+
     def backward(self, out_grad=None, retain_graph=False):
         """Compute gradients of this array w.r.t. the variables it depends on (asynchronously)."""
         _ag.backward(self, out_grad, retain_graph=retain_graph)
@@ -788,7 +804,8 @@ def zeros_like(x, dtype=None):
     if _is_symbol(x):
         y = M.zeros_like_op(x)
         return y if dtype is None else M.cast(y, dtype)
-    return zeros(x.shape, dtype or x.dtype, x.device)
+    _check_like("zeros_like", x)
+    return zeros(x.shape, dtype or x.dtype, x.device if isinstance(x, NDArray) else None)
 
 
 def ones_like(x, dtype=None):
@@ -797,7 +814,13 @@ def ones_like(x, dtype=None):
     if _is_symbol(x):
         y = M.ones_like_op(x)
         return y if dtype is None else M.cast(y, dtype)
-    return ones(x.shape, dtype or x.dtype, x.device)
+    _check_like("ones_like", x)
+    return ones(x.shape, dtype or x.dtype, x.device if isinstance(x, NDArray) else None)
+
+
+def _check_like(name, x):
+    if not isinstance(x, (NDArray, np.ndarray)):
+        raise TypeError(f"{name}: expected an NDArray or a NumPy array, got {type(x).__name__}")
 
 
 def _is_symbol(x):

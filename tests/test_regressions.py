@@ -1756,6 +1756,18 @@ def test_zeros_like_of_numpy_and_a_captured_table_indexed_in_traced_code():
 
 
 def test_dataloader_nested_samples_keep_every_field():
+    # a custom batchify returning a list of lengths: one array, as before nested batching
+    def pad(samples):
+        out = np.zeros((len(samples), 3), np.float32)
+        for i, smp in enumerate(samples):
+            out[i, :len(smp)] = smp
+        return out, [len(smp) for smp in samples]
+    ragged = [np.ones(i + 1, np.float32) for i in range(3)]
+    _, lengths = next(iter(hl.data.DataLoader(ragged, batch_size=3, batchify_fn=pad)))
+    np.testing.assert_array_equal(lengths.asnumpy(), [1, 2, 3])
+    _, lab = next(iter(hl.data.DataLoader([(np.ones(2), [0.1, 0.2, 0.3])] * 4, batch_size=4)))
+    assert lab.shape == (4, 3)                  # a list field: stacked, as MXNet Gluon
+
     class D(hl.data.Dataset):
         def __len__(self):
             return 4
@@ -1769,7 +1781,7 @@ def test_dataloader_nested_samples_keep_every_field():
     for workers in (0, 2):
         batches = list(hl.data.DataLoader(D(), batch_size=2, num_workers=workers))
         b, y = batches[1]
-        assert [a.asnumpy().tolist() for a in b["x"]] == [[2.0, 3.0], [2.0, 2.0], [3.0, 3.0]]
+        np.testing.assert_array_equal(b["x"].asnumpy(), [[2, 2, 3], [3, 2, 3]])  # a list: one field
         np.testing.assert_array_equal(b["p"][0].asnumpy(), [[2, 2], [3, 3]])
         np.testing.assert_array_equal(b["p"][1].asnumpy(), [2, 3])
         np.testing.assert_array_equal(b["n"]["b"].asnumpy(), [[2, 2], [3, 3]])
@@ -1813,8 +1825,25 @@ def test_jit_method_objects_copy_and_call_through_the_class():
         @hl.jit
         def f(self, x):
             return x * self.k
-    with pytest.raises(TypeError, match="__weakref__"):
-        Slots().f(x)
+    with pytest.warns(RuntimeWarning, match="__weakref__"):
+        np.testing.assert_array_equal(Slots().f(x).asnumpy(), [1, 2])
+
+    class Same:                             # equal objects are still different objects
+        def __init__(self, t):
+            self.t = t
+
+        def __eq__(self, other):
+            return True
+
+        __hash__ = None                     # and unhashable
+
+        @hl.jit
+        def m(self, x):
+            return x * self.t
+    np.testing.assert_array_equal(Same(2.0).m(x).asnumpy(), [2, 4])
+    np.testing.assert_array_equal(Same(9.0).m(x).asnumpy(), [9, 18])
+    with pytest.raises(TypeError, match="positional argument 0 must be an NDArray"):
+        a.f(np.ones(2))
     with pytest.raises(TypeError, match="below that decorator"):
         hl.jit(classmethod(lambda cls, x: x))
 
@@ -1885,3 +1914,56 @@ def test_in_place_into_an_eager_array_from_traced_code_says_how():
     with pytest.raises(hl.TracingError, match="zeros_like"):
         hl.jit(f)(nd.ones((2, 3)))
     np.testing.assert_array_equal(hl.jit(g)(nd.ones((2, 3))).asnumpy(), np.ones((2, 3)))
+
+
+def test_recheck_fixes_loss_in_hybridized_parent_custom_losses_deepcopy_positional_states(tmp_path):
+    import copy
+    import hybridl.loss as L
+    p, y = nd.ones((4, 3)), nd.zeros((4, 3))
+    w = nd.array(np.arange(4, dtype=np.float32).reshape(4, 1))
+
+    class Net(nn.HybridBlock):              # a loss inside a hybridized parent, traced weight
+        def __init__(self):
+            super().__init__()
+            self.loss = L.L2Loss()
+
+        def forward(self, p, y, w):
+            return self.loss(p, y, w)
+    net = Net()
+    eager = net(p, y, w).asnumpy()
+    net.hybridize()
+    np.testing.assert_array_equal(net(p, y, w).asnumpy(), eager)
+
+    class Masked(L.Loss):                   # other forward signatures pass through unchanged
+        def forward(self, pred, label, sample_weight=None, mask=None):
+            return self._finish((pred - label) * mask, sample_weight)
+
+    class Triplet(L.Loss):
+        def forward(self, a, pos, neg, sample_weight=None):
+            return self._finish(a + pos - neg, sample_weight)
+    np.testing.assert_array_equal(Masked()(p, y, mask=nd.zeros((4, 3))).asnumpy(), np.zeros(4))
+    np.testing.assert_array_equal(Triplet()(p, y, y, w).asnumpy(), np.arange(4))
+
+    m = nn.Dense(3, in_units=2)             # deepcopy of an initialized, hybridized block
+    m.initialize()
+    m.hybridize()
+    ref = m(nd.ones((1, 2))).asnumpy()
+    m2 = copy.deepcopy(m)
+    m2.weight.set_data(nd.zeros((3, 2)))
+    np.testing.assert_array_equal(m2(nd.ones((1, 2))).asnumpy(), m2.bias.data().asnumpy()[None])
+    np.testing.assert_array_equal(m(nd.ones((1, 2))).asnumpy(), ref)
+    with pytest.raises(TypeError, match="zeros_like"):
+        nd.zeros_like([1.0, 2.0])
+
+    ds = [nn.Dense(2, in_units=2) for _ in range(3)]  # never collected: names by position
+    for d in ds:
+        d.initialize()
+    tr = hl.Trainer([d.weight for d in ds], "adam", {"learning_rate": 0.1})
+    with ag.record():
+        sum((d(nd.ones((1, 2))).sum() for d in ds), nd.zeros(())).backward()
+    tr.step(1)
+    tr.save_states(str(tmp_path / "pos"))
+    ds[0].weight.grad_req = "null"
+    tr2 = hl.Trainer([d.weight for d in ds], "adam", {"learning_rate": 0.1})
+    tr2.load_states(str(tmp_path / "pos"))
+    assert sorted(tr2._names[i] for i, _ in tr2._states) == ["weight#1", "weight#2"]

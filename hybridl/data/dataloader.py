@@ -53,13 +53,16 @@ def default_batchify_fn(samples):
     Each sample is an array/scalar, a tuple/list of fields, or a dict; field ``k`` of the
     batch is ``np.stack([s[k] for s in samples])`` (shape ``(len(samples),) + field_shape``,
     dtype as NumPy's stacking gives; Python ints become int64, floats float64). Fields that
-    are themselves tuples/lists or dicts are batched the same way, recursively (a dict sample
-    gives a dict batch with its keys, as PyTorch's default collate).
+    are tuples or dicts are batched the same way, recursively (a dict sample gives a dict
+    batch with its keys); a list inside a sample is one array field (``[0.1, 0.2, 0.3]``
+    -> shape (N, 3)), as in MXNet Gluon.
 
     Raises:
         ValueError: samples have different numbers of fields, different keys, or different
             field shapes (the message gives the field's path, e.g. ``['x'][1]``).
     """
+    if isinstance(samples[0], list):        # a sample given as a list: its fields
+        samples = [tuple(s) if isinstance(s, list) else s for s in samples]
     out = _collate(samples, "")
     return out if isinstance(out, (tuple, dict)) else (out,)
 
@@ -75,10 +78,10 @@ def _collate(samples, path):
                                  f"{type(s).__name__} "
                                  f"{sorted(s, key=str) if isinstance(s, dict) else ''}")
         return {k: _collate([s[k] for s in samples], f"{path}[{k!r}]") for k in keys}
-    if isinstance(first, (tuple, list)):
+    if isinstance(first, tuple):
         nfields = len(first)
         for s in samples:
-            if not isinstance(s, (tuple, list)) or len(s) != nfields:
+            if not isinstance(s, tuple) or len(s) != nfields:
                 raise ValueError(f"batchify: every sample{path} must have {nfields} fields like "
                                  f"the first one, got {type(s).__name__} of length "
                                  f"{len(s) if hasattr(s, '__len__') else '?'}")
@@ -298,7 +301,7 @@ class DataLoader:
         def walk(a):                # nested tuples and dicts of arrays (see default_batchify_fn)
             if isinstance(a, dict):
                 return {k: walk(v) for k, v in a.items()}
-            if isinstance(a, (tuple, list)):
+            if isinstance(a, tuple):
                 return tuple(walk(v) for v in a)
             return convert(a)
         return walk(batch) if isinstance(batch, dict) else tuple(walk(a) for a in batch)

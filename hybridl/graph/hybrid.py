@@ -317,14 +317,14 @@ def cache_info(block):
 
 
 class _JitFunction:
-    def __init__(self, fn, static_argnames, passes):
+    def __init__(self, fn, static_argnames, passes, bound=False):
         if isinstance(fn, (classmethod, staticmethod)) or not callable(fn):
             raise TypeError(f"hl.jit: expected a function, got {type(fn).__name__}; on a "
                             f"classmethod or staticmethod put @hl.jit below that decorator")
         functools.update_wrapper(self, fn)
         self._fn = fn
         try:                                # a method called through its class: Cls.m(obj, x)
-            first = next(iter(inspect.signature(fn).parameters), None)
+            first = None if bound else next(iter(inspect.signature(fn).parameters), None)
         except (TypeError, ValueError):
             first = None
         self._method = first in ("self", "cls")
@@ -382,31 +382,40 @@ class _JitFunction:
 
     def __get__(self, obj, objtype=None):
         """``@hl.jit`` on a method: ``obj.method`` is a jit function of its own, with ``obj``
-        bound (one cache per object, held here by a weak reference: copies of the object get
-        their own; the object's parameters are program inputs, as in a hybridized block).
+        bound: one cache per object (by identity, dropped when the object is collected;
+        copies of the object get their own). The object's parameters are program inputs, as
+        in a hybridized block; its other attributes are read when tracing.
 
-        Raises:
-            TypeError: the object cannot be weakly referenced (``__slots__`` without
-                ``'__weakref__'``) or is unhashable."""
+        Objects that cannot be weakly referenced (``__slots__`` without ``'__weakref__'``)
+        get no cache: every call traces again (warned once)."""
         if obj is None:
             return self
-        bound_by_obj = self.__dict__.setdefault("_bound", weakref.WeakKeyDictionary())
+        bound_by_id = self.__dict__.setdefault("_bound", {})
+        hit = bound_by_id.get(id(obj))
+        if hit is not None:
+            return _BoundJit(hit[1], obj)
+        fn = self._fn
         try:
-            bound = bound_by_obj.get(obj)
+            ref = weakref.ref(obj)
         except TypeError:
-            raise TypeError(f"@hl.jit on method {self._fn.__name__!r}: {type(obj).__name__} "
-                            f"objects must support weak references and hashing (add "
-                            f"'__weakref__' to __slots__), so that each keeps its programs") from None
-        if bound is None:
-            fn = self._fn
+            if not self.__dict__.get("_warned_noref"):
+                self._warned_noref = True
+                warnings.warn(f"@hl.jit method {fn.__name__!r}: {type(obj).__name__} objects "
+                              f"cannot be weakly referenced (add '__weakref__' to __slots__), so "
+                              f"their programs are not cached: every call traces again",
+                              RuntimeWarning, stacklevel=2)
 
-            @functools.wraps(fn)
             def method(*args, **kwargs):
-                return fn(obj_ref(), *args, **kwargs)
-            obj_ref = weakref.ref(obj)              # the cache must not keep obj alive
-            bound = _JitFunction(method, self._static, self._passes)
-            bound_by_obj[obj] = bound
-        return bound
+                return fn(obj, *args, **kwargs)
+            return _JitFunction(functools.wraps(fn)(method), self._static, self._passes, bound=True)
+
+        def method(*args, **kwargs):        # holds obj weakly: the cache must not keep it alive
+            return fn(ref(), *args, **kwargs)
+        bound = _JitFunction(functools.wraps(fn)(method), self._static, self._passes, bound=True)
+        key = id(obj)
+        bound_by_id[key] = (ref, bound)
+        weakref.finalize(obj, bound_by_id.pop, key, None)
+        return _BoundJit(bound, obj)
 
     def cache_info(self):
         """Hits, misses, miss reasons and number of cached programs."""
@@ -421,6 +430,22 @@ class _JitFunction:
             return None
         entry.fwd.backward = entry.bwd
         return entry.fwd
+
+
+class _BoundJit:
+    """``obj.method`` of a jit method: holds ``obj`` (as a bound method does) while the
+    object's cached jit function, which refers to it weakly, is called."""
+
+    __slots__ = ("_jit", "_obj")
+
+    def __init__(self, jit, obj):
+        self._jit, self._obj = jit, obj
+
+    def __call__(self, *args, **kwargs):
+        return self._jit(*args, **kwargs)
+
+    def __getattr__(self, name):            # cache_info, last_program, __name__ ...
+        return getattr(self._jit, name)
 
 
 def _static_key(v):
@@ -459,7 +484,10 @@ def jit(fn=None, *, static_argnames=None, passes=None):
     numbers, object attributes, NDArrays captured from a closure or an attribute -- is read
     once, when tracing, and baked into the program as a constant (as ``jax.jit`` does): a
     later change to it is not seen. Pass such arrays as arguments; a captured array that
-    needs a gradient is refused under ``autograd.record()`` (TracingError).
+    needs a gradient is refused under ``autograd.record()`` (TracingError). An in-place
+    update of an intermediate value (``y += 1``) makes a new traced value bound to that name:
+    another name for the same array (``z = y`` before it) keeps the old value, where eager
+    code would see the change through both names.
 
     Args:
         fn: the function; positional arguments NDArrays, returns an NDArray or a tuple.

@@ -208,7 +208,7 @@ def _copy_methods():
     skip = {"__init__", "wait_to_read", "asnumpy", "item", "__array__", "__repr__", "__str__",
             "__bool__", "__float__", "__int__", "__index__", "__len__", "__iter__", "__hash__",
             "attach_grad", "backward", "detach", "copyto", "to", "as_in_device", "_assign",
-            "tolist", "copy",
+            "tolist", "copy", "__deepcopy__", "__copy__",
             "__setitem__", "_inplace", "__iadd__", "__isub__", "__imul__", "__itruediv__",
             "astype", "grad", "grad_req", "zeros_like", "ones_like",
             "__slots__", "__weakref__", "__module__", "__doc__", "__array_priority__"}

@@ -315,6 +315,18 @@ class HybridBlock(Block):
         object.__setattr__(self, "_cached", None)
         object.__setattr__(self, "_hybrid_flags", {})
 
+    def __deepcopy__(self, memo):
+        """A deep copy without the compiled programs (the copy traces its own on its first
+        hybridized call): parameters, children and settings are copied."""
+        import copy
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            if k in ("_hcache", "_last_program"):
+                continue
+            object.__setattr__(new, k, None if k == "_cached" else copy.deepcopy(v, memo))
+        return new
+
     def _on_child_change(self):
         if getattr(self, "_cached", None) is not None:
             object.__setattr__(self, "_cached", None)

@@ -55,10 +55,14 @@ class Trainer:
         if not self._params:
             warnings.warn("Trainer: no parameter to train (params is empty, or every one has "
                           "grad_req='null'): step() will change nothing", UserWarning, stacklevel=2)
-        names = [p.name for p in self._params]
-        if len(set(names)) != len(names):   # e.g. Parameters of blocks never collected: all
-            names = [f"{n}#{i}" for i, n in enumerate(names)]   # 'weight' -> states by position
-        self._names = names
+        all_names = [p.name for p in plist]
+        if len(set(all_names)) != len(all_names):   # e.g. Parameters of blocks never collected:
+            # all 'weight' -> states by position among ALL the parameters given (stable when
+            # some are frozen later)
+            all_names = [f"{n}#{i}" for i, n in enumerate(all_names)]
+        name_of = {id(p): n for p, n in zip(plist, all_names)}
+        self._all_names = all_names
+        self._names = [name_of[id(p)] for p in self._params]
         self._optimizer = create(optimizer, **(optimizer_params or {})) if not isinstance(
             optimizer, Optimizer) else optimizer
         if isinstance(optimizer, Optimizer) and optimizer_params:
@@ -325,7 +329,8 @@ class Trainer:
             saved.setdefault(name, []).append(key)
         index = {n: i for i, n in enumerate(self._names)}
         # parameters of this trainer frozen now (grad_req='null'): their state is not needed
-        frozen = {p.name for p in self._all_params if p.grad_req == "null"} - set(index)
+        frozen = {n for p, n in zip(self._all_params, self._all_names)
+                  if p.grad_req == "null"} - set(index)
         saved = {n: k for n, k in saved.items() if n not in frozen}
         extra = [n for n in saved if n not in index]
         if extra:
