@@ -800,22 +800,28 @@ def arange(start, stop=None, step=1, dtype=None, device=None):
 
 def zeros_like(x, dtype=None):
     """Zeros with ``x``'s shape, device and (unless given) dtype. Of a traced array (inside
-    hybridized code) a traced value of the program."""
-    if _is_symbol(x):
-        y = M.zeros_like_op(x)
-        return y if dtype is None else M.cast(y, dtype)
-    _check_like("zeros_like", x)
-    return zeros(x.shape, dtype or x.dtype, x.device if isinstance(x, NDArray) else None)
+    hybridized code) a traced value of the program.
+
+    Raises:
+        TypeError: ``x`` is neither an NDArray nor a NumPy array."""
+    return _filled_like("zeros_like", M.zeros_like_op, zeros, x, dtype)
 
 
 def ones_like(x, dtype=None):
     """Ones with ``x``'s shape, device and (unless given) dtype. Of a traced array (inside
-    hybridized code) a traced value of the program."""
+    hybridized code) a traced value of the program.
+
+    Raises:
+        TypeError: ``x`` is neither an NDArray nor a NumPy array."""
+    return _filled_like("ones_like", M.ones_like_op, ones, x, dtype)
+
+
+def _filled_like(name, traced_op, create, x, dtype):
     if _is_symbol(x):
-        y = M.ones_like_op(x)
+        y = traced_op(x)
         return y if dtype is None else M.cast(y, dtype)
-    _check_like("ones_like", x)
-    return ones(x.shape, dtype or x.dtype, x.device if isinstance(x, NDArray) else None)
+    _check_like(name, x)
+    return create(x.shape, dtype or x.dtype, x.device if isinstance(x, NDArray) else None)
 
 
 def _check_like(name, x):
