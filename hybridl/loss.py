@@ -80,8 +80,19 @@ class Loss(HybridBlock):
 
     @staticmethod
     def _check(pred, label, name):
-        if pred.shape != label.shape:
-            raise ValueError(f"{name}: pred shape {pred.shape} and label shape {label.shape} differ")
+        """label, reshaped to pred's shape when it has as many elements (as Gluon's
+        reshape_like: a (N,) label for (N, 1) predictions)."""
+        if tuple(pred.shape) == tuple(label.shape):
+            return label
+        n_p = n_l = 1
+        for d in pred.shape:
+            n_p *= d
+        for d in label.shape:
+            n_l *= d
+        if n_p != n_l:
+            raise ValueError(f"{name}: pred shape {tuple(pred.shape)} and label shape "
+                             f"{tuple(label.shape)} differ (and have different sizes)")
+        return F.reshape(label, tuple(pred.shape))
 
 
 class SoftmaxCrossEntropyLoss(Loss):
@@ -117,7 +128,7 @@ class SoftmaxCrossEntropyLoss(Loss):
                     label = F.class_indices(label)
                 loss = F.softmax_cross_entropy(pred, label)     # checks the range itself
         else:
-            self._check(pred, label, "SoftmaxCrossEntropyLoss")
+            label = self._check(pred, label, "SoftmaxCrossEntropyLoss")
             lp = pred if self._from_logits else F.log_softmax(pred, -1)
             loss = -F.sum(lp * label, axis=-1)
         return self._finish(loss, sample_weight)
@@ -127,7 +138,7 @@ class L2Loss(Loss):
     """0.5 * (pred - label)**2 averaged over non-batch axes."""
 
     def forward(self, pred, label, sample_weight=None):
-        self._check(pred, label, "L2Loss")
+        label = self._check(pred, label, "L2Loss")
         return self._finish(F.square(pred - label) * 0.5, sample_weight)
 
 
@@ -135,7 +146,7 @@ class L1Loss(Loss):
     """|pred - label| averaged over non-batch axes."""
 
     def forward(self, pred, label, sample_weight=None):
-        self._check(pred, label, "L1Loss")
+        label = self._check(pred, label, "L1Loss")
         return self._finish(F.abs(pred - label), sample_weight)
 
 
@@ -151,7 +162,7 @@ class SigmoidBinaryCrossEntropyLoss(Loss):
         self._from_sigmoid = from_sigmoid
 
     def forward(self, pred, label, sample_weight=None):
-        self._check(pred, label, "SigmoidBinaryCrossEntropyLoss")
+        label = self._check(pred, label, "SigmoidBinaryCrossEntropyLoss")
         if not self._from_sigmoid:
             loss = F.softplus(pred) * (1.0 - label) + F.softplus(-pred) * label
         else:

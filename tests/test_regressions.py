@@ -1967,3 +1967,14 @@ def test_recheck_fixes_loss_in_hybridized_parent_custom_losses_deepcopy_position
     tr2 = hl.Trainer([d.weight for d in ds], "adam", {"learning_rate": 0.1})
     tr2.load_states(str(tmp_path / "pos"))
     assert sorted(tr2._names[i] for i, _ in tr2._states) == ["weight#1", "weight#2"]
+
+
+def test_losses_reshape_a_label_of_the_same_size_as_gluon():
+    pred = nd.array(np.array([[0.5], [2.0], [-1.0]], np.float32))
+    y = np.array([1.0, 0.0, 1.0], np.float32)
+    for loss, ref in ((hl.loss.L2Loss(), 0.5 * (pred.asnumpy()[:, 0] - y) ** 2),
+                      (hl.loss.L1Loss(), np.abs(pred.asnumpy()[:, 0] - y))):
+        np.testing.assert_allclose(loss(pred, nd.array(y)).asnumpy(), ref, rtol=1e-6)
+        np.testing.assert_allclose(loss(pred, nd.array(y[:, None])).asnumpy(), ref, rtol=1e-6)
+    with pytest.raises(ValueError, match="different sizes"):
+        hl.loss.L2Loss()(pred, nd.array([1.0, 2.0]))
