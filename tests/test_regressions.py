@@ -1978,3 +1978,16 @@ def test_losses_reshape_a_label_of_the_same_size_as_gluon():
         np.testing.assert_allclose(loss(pred, nd.array(y[:, None])).asnumpy(), ref, rtol=1e-6)
     with pytest.raises(ValueError, match="different sizes"):
         hl.loss.L2Loss()(pred, nd.array([1.0, 2.0]))
+
+
+def test_dense_without_flatten_takes_one_dimensional_input_with_deferred_units():
+    d = nn.Dense(3, flatten=False)
+    d.initialize()
+    x = np.arange(4, dtype=np.float32)
+    y = d(nd.array(x))
+    assert y.shape == (3,)
+    np.testing.assert_allclose(y.asnumpy(), d.weight.data().asnumpy() @ x, rtol=1e-6)
+    flat = nn.Dense(3)                      # flatten=True needs (N, ...)
+    flat.initialize()
+    with pytest.raises(ValueError, match="at least 2"):
+        flat(nd.ones((4,)))
