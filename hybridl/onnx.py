@@ -536,6 +536,8 @@ def _trace(net, args):
     from .graph.passes import run_passes
     with autograd.predict_mode():
         inputs, outs, single, ctx = trace_graph(net.forward, args)
+    from .graph.export import _flat_outputs_only
+    _flat_outputs_only(ctx, "hl.onnx.export")
     g = run_passes(Graph(inputs, outs), _EXPORT_PASSES)
     pvals = {s.node.id: p for p, s in zip(ctx.params, inputs[len(args):])}
     return g, inputs[:len(args)], pvals

@@ -1991,3 +1991,38 @@ def test_dense_without_flatten_takes_one_dimensional_input_with_deferred_units()
     flat.initialize()
     with pytest.raises(ValueError, match="at least 2"):
         flat(nd.ones((4,)))
+
+
+def test_hybridized_forward_returns_dicts_nested_tuples_and_none(tmp_path):
+    class Heads(nn.HybridBlock):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Dense(2, in_units=3)
+            self.b = nn.Dense(1, in_units=3)
+
+        def forward(self, x):
+            h = self.a(x)
+            return {"logits": h, "aux": (self.b(x), None), "same": [h]}
+
+    net = Heads()
+    net.initialize()
+    x = nd.array(np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32))
+    x.attach_grad()
+    with ag.record():
+        eager = net(x)
+        (eager["logits"].sum() + eager["aux"][0].sum()).backward()
+    g_eager = x.grad.asnumpy().copy()
+    net.hybridize()
+    with ag.record():
+        hyb = net(x)
+        (hyb["logits"].sum() + hyb["aux"][0].sum()).backward()
+    assert sorted(hyb) == ["aux", "logits", "same"] and hyb["aux"][1] is None
+    assert isinstance(hyb["aux"], tuple) and isinstance(hyb["same"], list)
+    np.testing.assert_array_equal(hyb["logits"].asnumpy(), eager["logits"].asnumpy())
+    np.testing.assert_array_equal(hyb["same"][0].asnumpy(), eager["logits"].asnumpy())
+    assert hyb["same"][0] is not hyb["logits"]          # outputs never alias each other
+    np.testing.assert_array_equal(x.grad.asnumpy(), g_eager)
+    with pytest.raises(ValueError, match="flat list of outputs"):
+        net.export(str(tmp_path / "heads"), x)
+    with pytest.raises(hl.TracingError, match="no array"):
+        hl.jit(lambda a: (None, {}))(x)

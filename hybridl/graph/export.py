@@ -78,6 +78,14 @@ def graph_to_json(graph, n_data):
     return doc, tensors
 
 
+def _flat_outputs_only(ctx, what):
+    """Exported graphs have a flat list of outputs: refuse dict / nested / None results."""
+    if ctx.treedef is not None:
+        raise ValueError(f"{what}: the block returns a dict, a nested structure or None "
+                         f"entries; an exported graph has a flat list of outputs: return an "
+                         f"array or a tuple of arrays from forward (or wrap the block)")
+
+
 def export(block, prefix, *example_inputs):
     """Write ``prefix-symbol.json`` and ``prefix.safetensors`` for a HybridBlock.
 
@@ -101,6 +109,7 @@ def export(block, prefix, *example_inputs):
         args = [nd.zeros(s, d) for s, d in entry.fwd.in_specs[:len(entry.fwd.in_specs) - len(entry.params)]]
     with autograd.predict_mode():
         inputs, outs, single, ctx = trace_graph(block.forward, args)
+    _flat_outputs_only(ctx, "export")
     # parameters are named by their path in this block (as save_parameters names them), not
     # by the names they got where they were initialized (two children initialized on their
     # own both have a 'weight'); unique in any case

@@ -38,6 +38,8 @@ class CacheInfo(dict):
 
 
 class _TraceCtx:
+    treedef = None                # the structure of a dict / nested result (see trace_graph)
+
     def __init__(self):
         self.params = []          # Parameters in first-use order
         self.syms = {}            # id(param) -> Symbol (the program input)
@@ -66,6 +68,8 @@ class _TraceCtx:
 class _Compiled:
     """One cached entry: the forward Program (+ backward), and how to map its outputs."""
 
+    treedef = None                          # set by _build for structured results
+
     def __init__(self, fwd, n_user, single, side_params, params, bwd=None):
         self.fwd, self.n_user, self.single = fwd, n_user, single
         self.side_params, self.params, self.bwd = side_params, params, bwd
@@ -84,21 +88,59 @@ def trace_graph(fn, args, static=None):
             for i, a in enumerate(args)]
     with _trace.tracing(ctx), autograd.pause(autograd.is_training()):
         out = fn(*syms, **(static or {}))
-    single = not isinstance(out, (tuple, list))
-    outs = [out] if single else list(out)
-    from .ir import Symbol
-    for i, o in enumerate(outs):
-        if not isinstance(o, Symbol):
-            what = ("an NDArray that depends on no input or parameter (created or captured "
-                    "in the traced code, so it is not computed by the program)"
-                    if isinstance(o, NDArray) else type(o).__name__)
-            raise TracingError(f"hybridized forward must return arrays computed from its inputs "
-                               f"or parameters (an array, or a tuple or list of them); output {i} "
-                               f"is {what}. Compute it from an input (e.g. hl.nd.zeros_like(x) "
-                               f"+ 1), or return it outside the hybridized call")
+    single = isinstance(out, Symbol)
+    if single or (isinstance(out, (tuple, list)) and all(isinstance(o, Symbol) for o in out)):
+        outs = [out] if single else list(out)
+        ctx.treedef = None
+    else:                                   # dicts, nested tuples, None entries: flattened
+        outs = []
+        ctx.treedef = _flatten_outputs(out, outs, "output")
+    if not outs:
+        raise TracingError("hybridized forward returned no array (only None or empty "
+                           "containers); return at least one computed array")
     # an output that is a program input is returned as a copy (outputs never alias inputs)
     outs = [M.identity(o) if o.node.kind in ("input", "param") else o for o in outs]
     return syms + [ctx.syms[id(p)] for p in ctx.params], outs, single, ctx
+
+
+def _flatten_outputs(out, leaves, path):
+    """The structure of a traced forward's result (dicts, tuples, lists of traced arrays and
+    None), with each array replaced by its index in ``leaves`` (appended to).
+
+    Raises:
+        TracingError: a leaf that is neither a traced array nor None."""
+    if isinstance(out, Symbol):
+        leaves.append(out)
+        return len(leaves) - 1
+    if out is None:
+        return _NONE
+    if isinstance(out, dict):
+        return ("dict", [(k, _flatten_outputs(v, leaves, f"{path}[{k!r}]")) for k, v in out.items()])
+    if isinstance(out, (tuple, list)):
+        return (type(out).__name__, [_flatten_outputs(v, leaves, f"{path}[{i}]")
+                                     for i, v in enumerate(out)])
+    what = ("an NDArray that depends on no input or parameter (created or captured in the "
+            "traced code, so it is not computed by the program)"
+            if isinstance(out, NDArray) else type(out).__name__)
+    raise TracingError(f"hybridized forward must return arrays computed from its inputs or "
+                       f"parameters (an array, or tuples, lists and dicts of them, or None); "
+                       f"{path} is {what}. Compute it from an input (e.g. "
+                       f"hl.nd.zeros_like(x) + 1), or return it outside the hybridized call")
+
+
+_NONE = ("none",)
+
+
+def _unflatten_outputs(tree, leaves):
+    if isinstance(tree, int):
+        return leaves[tree]
+    if tree is _NONE or tree == _NONE:
+        return None
+    kind, items = tree
+    if kind == "dict":
+        return {k: _unflatten_outputs(v, leaves) for k, v in items}
+    vals = [_unflatten_outputs(v, leaves) for v in items]
+    return tuple(vals) if kind == "tuple" else vals
 
 
 def _last_writes(ctx):
@@ -112,6 +154,14 @@ def _last_writes(ctx):
 
 def _build(fn, args, name, passes, want_grad_data, static=None, parallel_segments=False):
     inputs, outs, single, ctx = trace_graph(fn, args, static)
+    entry = _build_programs(inputs, outs, single, ctx, args, name, passes, want_grad_data,
+                            parallel_segments)
+    entry.treedef = ctx.treedef             # the structure of a dict / nested result, or None
+    return entry
+
+
+def _build_programs(inputs, outs, single, ctx, args, name, passes, want_grad_data,
+                    parallel_segments):
     params = ctx.params
     n_data = len(args)
     side_params, side_vals = _last_writes(ctx)
@@ -266,6 +316,8 @@ def _run(entry, args):
                 p.data(dev)._assign(v)
 
     user = outs[:entry.n_user]
+    if entry.treedef is not None:
+        return _unflatten_outputs(entry.treedef, user)
     return user[0] if entry.single else tuple(user)
 
 

@@ -86,8 +86,8 @@ class Dense(HybridBlock):
         if not (self._known or self._check_known()):
             if len(x.shape) < (2 if self._flatten else 1):
                 raise ValueError(f"Dense: expected input of shape (N, ...) with at least 2 "
-                                 f"dimensions (or (..., in_units) with flatten=False), got "
-                                 f"shape {tuple(x.shape)}")
+                                 f"dimensions, got shape {tuple(x.shape)} (flatten=False "
+                                 f"takes (..., in_units))")
             in_units = 1
             for s in (x.shape[1:] if self._flatten else x.shape[-1:]):
                 in_units *= s
