@@ -123,19 +123,23 @@ def test_memory_latency_random_much_slower_than_sequential_at_256MiB():
 
 def test_cache_knees_match_probe(info):
     """Private caches (one core) must be found within a factor of 2 of the probed size."""
-    # 5 sweeps, minimum per point: robust against bursts of activity from other tenants
-    m = hw.measure_memory_latency(min_bytes=4 * KiB, max_bytes=16 * MiB, points_per_octave=2,
-                                  target_seconds=0.003, repeats=5, probe_info=info,
-                                  orders=("random",))
-    cmp_ = m.details["compared_with_probe"]
-    private = [c for c in cmp_ if c["shared_by_cpus"] == 1]
-    if not private:
-        pytest.skip("the probe knows no private cache sizes here")
-    for c in private:
-        assert c["ratio"] is not None and 0.5 <= c["ratio"] <= 2.0, (cmp_, m.details)
-    # the curve rises: the largest set is much slower than the smallest (an L1 hit)
-    lat = m.details["random_ns"]
-    assert lat[-1] > 5 * lat[0]
+    def private_caches():
+        # 5 sweeps, minimum per point: robust against bursts of activity from other tenants
+        m = hw.measure_memory_latency(min_bytes=4 * KiB, max_bytes=16 * MiB, points_per_octave=2,
+                                      target_seconds=0.003, repeats=5, probe_info=info,
+                                      orders=("random",))
+        cmp_ = m.details["compared_with_probe"]
+        private = [c for c in cmp_ if c["shared_by_cpus"] == 1]
+        if not private:
+            pytest.skip("the probe knows no private cache sizes here")
+        for c in private:
+            assert c["ratio"] is not None and 0.5 <= c["ratio"] <= 2.0, (cmp_, m.details)
+        # the curve rises: the largest set is much slower than the smallest (an L1 hit)
+        lat = m.details["random_ns"]
+        assert lat[-1] > 5 * lat[0]
+        return cmp_
+    # a burst of load can spoil one whole measurement (1 run in about 10 of the suite here)
+    cmp_ = _measured(private_caches)
     shared = [c for c in cmp_ if (c["shared_by_cpus"] or 1) > 1]
     for c in shared:
         if not (c["ratio"] and 0.5 <= c["ratio"] <= 2.0):
