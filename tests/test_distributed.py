@@ -259,11 +259,48 @@ def _script(tmp_path, name, text):
     return str(p)
 
 
+_SHM = "/dev/shm"
+
+
+def _shm_files():
+    try:
+        return {f for f in os.listdir(_SHM) if f.startswith(("mpich_shm_", "mpich_", "vader_"))}
+    except OSError:
+        return set()
+
+
+def _mapped_anywhere(path):
+    """Whether a running process still maps (uses) ``path``."""
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/maps") as f:
+                    if path in f.read():
+                        return True
+            except OSError:
+                continue
+    return False
+
+
 def _mpirun(args, n=2, timeout=60, **env):
+    """Run a job; shared-memory files that an aborted job (MPI_Abort, a killed rank) leaves
+    behind in /dev/shm -- MPICH removes them only at a clean MPI_Finalize, 2 MB per job -- are
+    deleted when no running process maps them."""
+    before = _shm_files()
     t0 = time.perf_counter()
-    out = subprocess.run([MPIEXEC, "-n", str(n), *args], env=_env(**env), capture_output=True,
-                         text=True, timeout=timeout)
-    return out, time.perf_counter() - t0
+    try:
+        out = subprocess.run([MPIEXEC, "-n", str(n), *args], env=_env(**env), capture_output=True,
+                             text=True, timeout=timeout)
+    finally:
+        dt = time.perf_counter() - t0
+        for f in _shm_files() - before:
+            path = os.path.join(_SHM, f)
+            if not _mapped_anywhere(path):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+    return out, dt
 
 
 def _single(args, timeout=60):
