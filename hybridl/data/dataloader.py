@@ -156,13 +156,16 @@ class DataLoader:
             (in flight or ready); each worker loads whole batches, so at most
             ``min(num_workers, prefetch)`` workers are busy at once. Ignored when
             ``num_workers == 0``.
-        batchify_fn: ``fn(list_of_samples) -> array or tuple of arrays``; default
-            :func:`default_batchify_fn`. Giving one disables the whole-batch fast path.
+        batchify_fn: ``fn(list_of_samples) -> array, tuple of arrays or dict of arrays``;
+            default :func:`default_batchify_fn`. Giving one disables the whole-batch fast
+            path.
         device: device of the produced NDArrays (passed to ``hybridl.ndarray.array``).
 
     Yields:
         tuple of ``hybridl.ndarray.NDArray``, one per sample field, each of shape
-        ``(batch, ...)``. For an ``ArrayDataset`` the dtypes are those of its arrays.
+        ``(batch, ...)`` (a field that is a tuple or dict in the samples is a tuple or dict of
+        NDArrays); a dict of NDArrays when the samples are dicts. For an ``ArrayDataset``
+        the dtypes are those of its arrays.
 
     Fast path: for an ``ArrayDataset`` (optionally ``.transform_first`` / ``.transform``
     with a batchable transform) a batch is one fancy-index per array, no per-sample loop.

@@ -542,7 +542,8 @@ def jit(fn=None, *, static_argnames=None, passes=None):
     code would see the change through both names.
 
     Args:
-        fn: the function; positional arguments NDArrays, returns an NDArray or a tuple.
+        fn: the function; positional arguments NDArrays; returns an NDArray, or tuples,
+            lists and dicts of them (None entries allowed).
         static_argnames (str or sequence of str): names of keyword arguments that select
             the program (a single name may be given as a str, as in ``jax.jit``).
         passes (list of str): graph passes (default: all, see :mod:`hybridl.graph.passes`).
