@@ -14,6 +14,21 @@ from .nn.block import HybridBlock
 __all__ = ["Loss", "SoftmaxCrossEntropyLoss", "L2Loss", "L1Loss", "SigmoidBinaryCrossEntropyLoss"]
 
 
+def _weights(sw, dtype):
+    """``sample_weight`` given as numbers (a number, list or NumPy array) as an array.
+
+    Raises:
+        TypeError: not numbers."""
+    try:
+        a = np.asarray(sw)
+    except (TypeError, ValueError):
+        a = None
+    if a is None or a.dtype.kind not in "biuf":
+        raise TypeError(f"sample_weight: expected an NDArray, a NumPy array or numbers, got "
+                        f"{type(sw).__name__}")
+    return a.astype(dtype)
+
+
 class Loss(HybridBlock):
     """Base class: ``weight`` scales the loss; ``batch_axis`` is kept, other axes averaged.
 
@@ -41,8 +56,8 @@ class Loss(HybridBlock):
             sw = args[2] if len(args) == 3 else kwargs["sample_weight"]
             if sw is None:
                 return super().__call__(pred, label)
-            if isinstance(sw, (numbers.Number, np.ndarray, np.generic)):
-                sw = F.array(np.asarray(sw, dtype=pred.dtype), device=pred.device)
+            if isinstance(sw, (numbers.Number, np.ndarray, np.generic, list, tuple)):
+                sw = F.array(_weights(sw, pred.dtype), device=pred.device)
             return super().__call__(pred, label, sw)
         return super().__call__(*args, **kwargs)
 
@@ -60,6 +75,8 @@ class Loss(HybridBlock):
 
     def _finish(self, loss, sample_weight=None):
         if sample_weight is not None:
+            if not hasattr(sample_weight, "shape"):
+                sample_weight = F.array(_weights(sample_weight, loss.dtype))
             sw = sample_weight
             if len(sw.shape) == len(loss.shape) + 1 and sw.shape[-1] == 1:
                 sw = F.reshape(sw, tuple(sw.shape[:-1]))    # (N, 1) weights of (N,) losses

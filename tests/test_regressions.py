@@ -2026,3 +2026,12 @@ def test_hybridized_forward_returns_dicts_nested_tuples_and_none(tmp_path):
         net.export(str(tmp_path / "heads"), x)
     with pytest.raises(hl.TracingError, match="no array"):
         hl.jit(lambda a: (None, {}))(x)
+
+
+def test_sample_weight_that_is_not_numbers_is_a_type_error():
+    loss = hl.loss.L2Loss()
+    p, y = nd.ones((4, 3)), nd.zeros((4, 3))
+    np.testing.assert_allclose(loss(p, y, [[2.0]] * 4).asnumpy(), np.ones(4), rtol=1e-6)
+    for bad in ("abc", [["a"]] * 4, object()):
+        with pytest.raises(TypeError, match="sample_weight"):
+            loss(p, y, bad)
