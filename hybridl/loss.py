@@ -3,7 +3,9 @@
 ``SoftmaxCrossEntropyLoss``, ``L2Loss``, ``L1Loss``, ``SigmoidBinaryCrossEntropyLoss`` (MXNet
 Gluon's definitions).
 """
+import functools
 import inspect
+import math
 import numbers
 
 import numpy as np
@@ -29,6 +31,16 @@ def _weights(sw, dtype):
     return a.astype(dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _standard_forward(cls):
+    """Whether ``cls.forward`` is ``(self, pred, label, sample_weight=None)``."""
+    try:
+        return list(inspect.signature(cls.forward).parameters) == ["self", "pred", "label",
+                                                                   "sample_weight"]
+    except (TypeError, ValueError):
+        return False
+
+
 class Loss(HybridBlock):
     """Base class: ``weight`` scales the loss; ``batch_axis`` is kept, other axes averaged.
 
@@ -50,7 +62,7 @@ class Loss(HybridBlock):
         # the standard signature forward(pred, label, sample_weight=None): sample_weight
         # passed positionally (a hybridized call takes arrays only), dropped when None, and a
         # number or NumPy array made an NDArray; other signatures (subclasses) as they are
-        if type(self)._standard() and len(args) + len(kwargs) == 3 and len(args) >= 2 \
+        if _standard_forward(type(self)) and len(args) + len(kwargs) == 3 and len(args) >= 2 \
                 and set(kwargs) <= {"sample_weight"}:
             pred, label = args[:2]
             sw = args[2] if len(args) == 3 else kwargs["sample_weight"]
@@ -60,18 +72,6 @@ class Loss(HybridBlock):
                 sw = F.array(_weights(sw, pred.dtype), device=pred.device)
             return super().__call__(pred, label, sw)
         return super().__call__(*args, **kwargs)
-
-    @classmethod
-    def _standard(cls):
-        std = cls.__dict__.get("_std_sig")
-        if std is None:
-            try:
-                names = list(inspect.signature(cls.forward).parameters)
-            except (TypeError, ValueError):
-                names = []
-            std = names == ["self", "pred", "label", "sample_weight"]
-            type.__setattr__(cls, "_std_sig", std)
-        return std
 
     def _finish(self, loss, sample_weight=None):
         if sample_weight is not None:
@@ -101,12 +101,7 @@ class Loss(HybridBlock):
         reshape_like: a (N,) label for (N, 1) predictions)."""
         if tuple(pred.shape) == tuple(label.shape):
             return label
-        n_p = n_l = 1
-        for d in pred.shape:
-            n_p *= d
-        for d in label.shape:
-            n_l *= d
-        if n_p != n_l:
+        if math.prod(pred.shape) != math.prod(label.shape):
             raise ValueError(f"{name}: pred shape {tuple(pred.shape)} and label shape "
                              f"{tuple(label.shape)} differ (and have different sizes)")
         return F.reshape(label, tuple(pred.shape))

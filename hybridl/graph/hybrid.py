@@ -448,25 +448,24 @@ class _JitFunction:
             return _BoundJit(hit[1], obj)
         fn = self._fn
         try:
-            ref = weakref.ref(obj)
+            ref = weakref.ref(obj)          # the cache must not keep obj alive
         except TypeError:
+            ref = None
             if not self.__dict__.get("_warned_noref"):
                 self._warned_noref = True
                 warnings.warn(f"@hl.jit method {fn.__name__!r}: {type(obj).__name__} objects "
                               f"cannot be weakly referenced (add '__weakref__' to __slots__), so "
                               f"their programs are not cached: every call traces again",
                               RuntimeWarning, stacklevel=2)
+        get = ref if ref is not None else (lambda: obj)
 
-            def method(*args, **kwargs):
-                return fn(obj, *args, **kwargs)
-            return _JitFunction(functools.wraps(fn)(method), self._static, self._passes, bound=True)
-
-        def method(*args, **kwargs):        # holds obj weakly: the cache must not keep it alive
-            return fn(ref(), *args, **kwargs)
+        def method(*args, **kwargs):
+            return fn(get(), *args, **kwargs)
         bound = _JitFunction(functools.wraps(fn)(method), self._static, self._passes, bound=True)
-        key = id(obj)
-        bound_by_id[key] = (ref, bound)
-        weakref.finalize(obj, bound_by_id.pop, key, None)
+        if ref is not None:
+            key = id(obj)
+            bound_by_id[key] = (ref, bound)
+            weakref.finalize(obj, bound_by_id.pop, key, None)
         return _BoundJit(bound, obj)
 
     def cache_info(self):

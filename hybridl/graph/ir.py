@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 
+from ..kernels._check import is_int
 from ..ops import math as M
 from ..ops.dispatch import register_interpreter
 from ..ops.registry import Op
@@ -253,14 +254,13 @@ def var(name, shape=None, dtype=None):
     if shape is None:
         raise ValueError(f"var {name!r}: shape is required (every value in a graph has a known "
                          f"shape), e.g. hl.sym.var({name!r}, shape=(32, 784))")
-    if isinstance(shape, numbers.Integral):
+    if is_int(shape):
         shape = (shape,)
     try:
         dims = tuple(shape)
     except TypeError:
         dims = None
-    if dims is None or not all(isinstance(s, numbers.Integral) and not isinstance(s, bool)
-                               for s in dims):
+    if dims is None or not all(is_int(s) for s in dims):
         raise ValueError(f"var {name!r}: shape must be a tuple of integers, got {shape!r}")
     shape = tuple(int(s) for s in dims)
     if any(s < 0 for s in shape):

@@ -24,14 +24,16 @@ def check_float(name: str, a: np.ndarray) -> None:
         raise ValueError(f"{name}: expected a floating-point array (float32/float64), got dtype {a.dtype}")
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
+    """An integer, Python or NumPy (``y.max() + 1``), not a bool."""
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
 
 
 def check_int(name: str, v) -> int:
     """``v`` as an int; ValueError naming ``name`` unless it is an integer (not a bool, not a
     float such as 1.5, which ``int()`` would silently truncate)."""
-    if not _is_int(v):
+    if not is_int(v):
         raise ValueError(f"{name}: expected an int, got {type(v).__name__} {v!r}")
     return int(v)
 
@@ -39,13 +41,13 @@ def check_int(name: str, v) -> int:
 def pair(name: str, v) -> tuple[int, int]:
     """Normalise an int or a 2-sequence of ints to ``(int, int)``; ValueError naming ``name``
     otherwise (bools, floats and strings are refused rather than converted)."""
-    if _is_int(v):
+    if is_int(v):
         return int(v), int(v)
     try:
         a, b = v
     except (TypeError, ValueError):
         a = b = None
-    if not (_is_int(a) and _is_int(b)):
+    if not (is_int(a) and is_int(b)):
         raise ValueError(f"{name}: expected an int or a pair (int, int), got {v!r}")
     return int(a), int(b)
 

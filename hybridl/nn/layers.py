@@ -11,6 +11,7 @@ import numpy as np
 
 from .. import autograd
 from .. import nd as F
+from ..kernels._check import is_int as _is_int
 from .block import HybridBlock
 from .parameter import Parameter
 
@@ -42,11 +43,6 @@ def _act(name):
 
 def _data(p, x):
     return p.data(getattr(x, "device", None))
-
-
-def _is_int(v):
-    """An integer (Python or NumPy, e.g. ``y.max() + 1``), not a bool."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
 def _is_real(v):

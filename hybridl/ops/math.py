@@ -7,13 +7,13 @@ ops) and go through :func:`hybridl.ops.dispatch.apply`.
 """
 import builtins
 import math
-import numbers
 
 import numpy as np
 
 from ._util import (BOOL, F32, I64, as_dtype, broadcast_shape, norm_axes, norm_axis, numel,
                     promote, reduced_shape)
 from .. import autograd as _ag
+from ..kernels._check import is_int
 from . import _blas
 from .dispatch import _BASE, apply
 from .registry import NO_VALUES, register
@@ -196,14 +196,12 @@ _FLIP = {"less": "greater", "greater": "less", "less_equal": "greater_equal",
          "greater_equal": "less_equal", "equal": "equal", "not_equal": "not_equal"}
 
 
-def _int_scalar(v):
-    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
 def _compare(name, a, b):
-    if _int_scalar(a) and not _int_scalar(b):
+    if is_int(a) and not is_int(b):
         a, b, name = b, a, _FLIP[name]
-    if _int_scalar(b) and getattr(getattr(a, "dtype", None), "kind", None) in ("i", "u"):
+    if is_int(b) and getattr(getattr(a, "dtype", None), "kind", None) in ("i", "u"):
         info = np.iinfo(a.dtype)
         if int(b) > info.max:
             name, b = _ABOVE[name], int(info.max)
