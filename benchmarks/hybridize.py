@@ -101,6 +101,16 @@ def joint_program(net, x, y):
     return prog, time.perf_counter() - t0
 
 
+def _bound(p):
+    """Print how close the plan's arena is to the most bytes live at once (a lower bound for
+    any placement in this op order) and the ratio that bound allows."""
+    arena = sum(p.buffers)
+    best = (p.planned_bytes - arena + p.live_peak_bytes) / p.naive_bytes if p.naive_bytes else 1.0
+    print(f"  {'':20s}   arena {arena / 2**20:.3f} MiB, most bytes live at once "
+          f"{p.live_peak_bytes / 2**20:.3f} MiB: no placement in this op order goes below "
+          f"ratio {best:.3f}")
+
+
 def memory():
     print("\n== Memory: joint forward+backward training programs ==")
     for name, mk, shape, b in (("MLP 784-256-128-10", mlp_net, (784,), 256),
@@ -114,6 +124,7 @@ def memory():
               f"{p.planned_bytes / 2**20:7.2f} MiB, ratio {p.ratio:.2f} (target <= 0.5); "
               f"intermediates only (gradients/loss excluded): ratio {p.internal_ratio:.2f}; "
               f"{len(p.inplace)} in-place, compile {secs * 1e3:.0f} ms")
+        _bound(p)
         peaks = {}
         for mode in ("eager", "hybridized", "TrainStep"):
             net2 = mk()
@@ -142,6 +153,7 @@ def memory():
                 print(f"  {'':20s} whole step (hl.TrainStep: + SGD update, gradients inside): "
                       f"naive {p.naive_bytes / 2**20:.2f} MiB, planned {p.planned_bytes / 2**20:.2f} "
                       f"MiB, ratio {p.ratio:.2f} (target <= 0.5)")
+                _bound(p)
         print(f"  {'':20s} tracemalloc peak per step: eager {peaks['eager'] / 2**20:.2f} MiB, "
               f"hybridized {peaks['hybridized'] / 2**20:.2f} MiB "
               f"({peaks['hybridized'] / peaks['eager']:.2f}x), TrainStep "

@@ -284,6 +284,7 @@ def test_plan_memory_keeps_meaning_and_never_aliases_across_calls(g, seed2):
         prog = _compile(shapes, recipe, passes)
         plan = prog.memory_plan
         assert plan is not None and plan.planned_bytes <= plan.naive_bytes
+        assert plan.live_peak_bytes <= sum(plan.buffers)        # a lower bound of the arena
         out1 = prog(*vals1)
         out1 = out1 if isinstance(out1, tuple) else (out1,)
         first = [o.asnumpy() for o in out1]
@@ -633,6 +634,18 @@ def test_plan_memory_reuses_buffers():
         want = np.tanh(want) * 2 + 1
     np.testing.assert_allclose(prog(xv).asnumpy(), want.sum(), rtol=1e-5)
     assert "MemoryPlan(" in repr(plan) and 0 < plan.ratio < 1
+    # everything after the first tanh is written in place: one value live at a time
+    assert plan.live_peak_bytes == 256 * 4 == plan.buffers[0]
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.integers(1, 100), st.integers(0, 20), st.integers(0, 20)),
+                max_size=30))
+def test_live_peak_is_the_most_bytes_alive_at_one_node(raw):
+    from hybridl.graph.passes import _live_peak
+    groups = [[nb, min(a, b), max(a, b)] for nb, a, b in raw]
+    brute = max((sum(nb for nb, f, l in groups if f <= i <= l) for i in range(21)), default=0)
+    assert _live_peak(groups) == brute
 
 
 def test_plan_memory_outputs_are_fresh_each_call():

@@ -381,11 +381,15 @@ class MemoryPlan:
             can alias them).
         fresh_bytes (int): the part of both that holds results: the graph's outputs and the
             values they may be views of (allocated fresh on every call, handed to the caller).
+        live_peak_bytes (int): the most bytes of planned values live at once (the sum of the
+            allocations whose lifetimes include one node, maximized over the nodes): a lower
+            bound on the arena of any placement of these values in this op order (Pisarchyk &
+            Lee 2020, section 3); the arena equals it when placement wastes nothing.
     """
 
     def __init__(self):
         self.buffers, self.assign, self.inplace, self.offset = [], {}, set(), {}
-        self.naive_bytes = self.planned_bytes = self.fresh_bytes = 0
+        self.naive_bytes = self.planned_bytes = self.fresh_bytes = self.live_peak_bytes = 0
 
     @property
     def ratio(self):
@@ -405,6 +409,17 @@ class MemoryPlan:
         return (f"MemoryPlan({len(self.buffers)} buffers, naive {self.naive_bytes} B, planned "
                 f"{self.planned_bytes} B, ratio {self.ratio:.2f}, intermediates ratio "
                 f"{self.internal_ratio:.2f}, {len(self.inplace)} in-place)")
+
+
+def _live_peak(groups):
+    """The largest sum of ``nbytes`` over allocations ``[nbytes, first, last]`` alive at one
+    node (an allocation is alive from ``first`` to ``last`` inclusive)."""
+    events = sorted([(f, 0, nb) for nb, f, _ in groups] + [(l + 1, -1, -nb) for nb, _, l in groups])
+    live = peak = 0
+    for _, _, d in events:      # at one node, ends (-1) are applied before starts (0)
+        live += d
+        peak = max(peak, live)
+    return peak
 
 
 _VIEW_OPS = {"reshape", "transpose", "broadcast_to", "slice", "identity", "stop_gradient"}
@@ -534,6 +549,7 @@ def plan_memory(graph):
                 off += groups[g][0]
             arena = total
         plan.buffers = [arena]
+        plan.live_peak_bytes = _live_peak(groups)
         for key, g in gid.items():
             plan.assign[key] = 0
             plan.offset[key] = offsets[g]
