@@ -73,7 +73,7 @@ class Loss(HybridBlock):
             return super().__call__(pred, label, sw)
         return super().__call__(*args, **kwargs)
 
-    def _finish(self, loss, sample_weight=None):
+    def _finish(self, loss, sample_weight=None, batch_axis=None):
         if sample_weight is not None:
             if not hasattr(sample_weight, "shape"):
                 sample_weight = F.array(_weights(sample_weight, loss.dtype))
@@ -92,7 +92,8 @@ class Loss(HybridBlock):
             loss = loss * sw
         if self._weight is not None:
             loss = loss * self._weight
-        axes = tuple(i for i in range(len(loss.shape)) if i != self._batch_axis)
+        batch_axis = self._batch_axis if batch_axis is None else batch_axis
+        axes = tuple(i for i in range(len(loss.shape)) if i != batch_axis)
         return F.mean(loss, axis=axes) if axes else loss
 
     @staticmethod
@@ -108,42 +109,78 @@ class Loss(HybridBlock):
 
 
 class SoftmaxCrossEntropyLoss(Loss):
-    """-log softmax(pred)[label] per sample.
+    """-log softmax(pred)[label] per sample, softmax taken along ``axis`` (the class axis).
 
-    Shapes: pred (N, K) logits; label (N,) class indices (any int dtype, or float holding
-    integers) when ``sparse_label`` (default), else (N, K) probabilities. Returns (N,).
+    Shapes: pred (N, K) logits, or (N, ..., K, ...) with the K classes on ``axis`` (default
+    the last); label, when ``sparse_label`` (default), the class indices (any int dtype, or
+    float holding integers) with pred's shape less the class axis (an (N, 1) label of (N, K)
+    logits is taken as (N,)); else probabilities of pred's shape. ``from_logits``: pred are
+    log-probabilities already. Returns (N,): the per-position losses averaged over every axis
+    but ``batch_axis`` (MXNet Gluon's definition).
 
-    Raises (at the next sync point): OpError for a label outside [0, K), or a float label
-    that is not a whole number (a fraction, NaN, inf), naming the value and its position.
+    Raises:
+        ValueError: ``axis`` not an integer, out of range for pred, or the batch axis; label
+            of the wrong shape.
+        OpError (at the next sync point): a label outside [0, K), or a float label that is not
+            a whole number (a fraction, NaN, inf), naming the value and its position.
     """
 
     def __init__(self, axis=-1, sparse_label=True, from_logits=False, weight=None, batch_axis=0):
         super().__init__(weight, batch_axis)
-        if axis not in (-1, 1):
-            raise ValueError(f"SoftmaxCrossEntropyLoss: axis must be -1 (class axis last), got {axis}")
+        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+            raise ValueError(f"SoftmaxCrossEntropyLoss: axis must be an integer (the class "
+                             f"axis of pred), got {axis!r}")
+        self._axis = int(axis)
         self._sparse, self._from_logits = sparse_label, from_logits
 
+    def _class_last(self, pred):
+        """pred with its class axis moved to the end (NumPy's moveaxis)."""
+        nd_ = len(pred.shape)
+        if not -nd_ <= self._axis < nd_:
+            raise ValueError(f"SoftmaxCrossEntropyLoss: axis {self._axis} is out of range for "
+                             f"pred of shape {tuple(pred.shape)}")
+        ax = self._axis % nd_
+        if ax == self._batch_axis % nd_:
+            raise ValueError(f"SoftmaxCrossEntropyLoss: axis {self._axis} is the batch axis of "
+                             f"pred {tuple(pred.shape)}; it must be the class axis")
+        if ax == nd_ - 1:
+            return pred
+        return F.transpose(pred, tuple(i for i in range(nd_) if i != ax) + (ax,))
+
     def forward(self, pred, label, sample_weight=None):
+        shape = tuple(pred.shape)
+        pred = self._class_last(pred)
         if self._sparse:
-            if len(label.shape) == 2 and label.shape[1] == 1:
-                label = F.reshape(label, (-1,))
+            rows = tuple(pred.shape[:-1])
+            if len(label.shape) == len(rows) + 1 and label.shape[-1] == 1:
+                label = F.reshape(label, tuple(label.shape[:-1]))
+            if tuple(label.shape) != rows:
+                raise ValueError(f"SoftmaxCrossEntropyLoss: label must have shape {rows} (one "
+                                 f"class index per position of pred {shape} less its class "
+                                 f"axis {self._axis}), got {tuple(label.shape)}")
             if self._from_logits:        # pred are log-probabilities already
-                if tuple(label.shape) != tuple(pred.shape[:-1]):
-                    raise ValueError(f"SoftmaxCrossEntropyLoss: label must have shape "
-                                     f"{tuple(pred.shape[:-1])} (one class index per row of "
-                                     f"pred {tuple(pred.shape)}), got {tuple(label.shape)}")
                 # range checked here: one_hot would make an out-of-range label all zeros
                 label = F.class_indices(label, pred.shape[-1])
                 loss = -F.sum(pred * F.one_hot(label, pred.shape[-1], pred.dtype.name), axis=-1)
             else:
                 if label.dtype.kind == "f":  # MXNet's float labels: whole numbers checked
                     label = F.class_indices(label)
-                loss = F.softmax_cross_entropy(pred, label)     # checks the range itself
+                if len(rows) == 1:
+                    loss = F.softmax_cross_entropy(pred, label)     # checks the range itself
+                else:                    # one row per position: (N, T, K) -> (N*T, K)
+                    k = pred.shape[-1]
+                    loss = F.reshape(F.softmax_cross_entropy(F.reshape(pred, (-1, k)),
+                                                             F.reshape(label, (-1,))), rows)
         else:
+            if tuple(label.shape) == shape:
+                label = self._class_last(label)
             label = self._check(pred, label, "SoftmaxCrossEntropyLoss")
             lp = pred if self._from_logits else F.log_softmax(pred, -1)
             loss = -F.sum(lp * label, axis=-1)
-        return self._finish(loss, sample_weight)
+        # the batch axis of the loss (pred less its class axis)
+        nd_ = len(shape)
+        b = self._batch_axis % nd_
+        return self._finish(loss, sample_weight, b - (b > self._axis % nd_))
 
 
 class L2Loss(Loss):

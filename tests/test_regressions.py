@@ -2035,3 +2035,60 @@ def test_sample_weight_that_is_not_numbers_is_a_type_error():
     for bad in ("abc", [["a"]] * 4, object()):
         with pytest.raises(TypeError, match="sample_weight"):
             loss(p, y, bad)
+
+
+def _log_softmax64(x, axis):
+    m = x.max(axis, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis, keepdims=True))
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+@pytest.mark.parametrize("from_logits", [False, True])
+def test_softmax_ce_loss_class_axis_1_of_3d_pred(sparse, from_logits):
+    # (N, K, T) predictions with the classes on axis 1 (it used the last axis: wrong values)
+    rng = np.random.default_rng(0)
+    pred = rng.standard_normal((2, 3, 4))
+    lsm = _log_softmax64(pred, 1)
+    if sparse:
+        lab = rng.integers(0, 3, (2, 4))
+        want = -np.take_along_axis(lsm, lab[:, None, :], 1)[:, 0].mean(1)
+    else:
+        lab = rng.random((2, 3, 4))
+        lab /= lab.sum(1, keepdims=True)
+        want = -(lsm * lab).sum(1).mean(1)
+    loss = hl.loss.SoftmaxCrossEntropyLoss(axis=1, sparse_label=sparse, from_logits=from_logits)
+    p = nd.array((lsm if from_logits else pred).astype(np.float32))
+    p.attach_grad()
+    with ag.record():
+        got = loss(p, nd.array(lab if sparse else lab.astype(np.float32)))
+    got.backward()
+    np.testing.assert_allclose(got.asnumpy(), want, rtol=1e-5)
+    if not from_logits:     # d/dpred of the mean over positions: (softmax - onehot) / T
+        onehot = np.zeros_like(pred)
+        if sparse:
+            np.put_along_axis(onehot, lab[:, None, :], 1.0, 1)
+        else:
+            onehot = lab
+        g = (np.exp(lsm) * onehot.sum(1, keepdims=True) - onehot) / 4
+        np.testing.assert_allclose(p.grad.asnumpy(), g, rtol=1e-4, atol=1e-6)
+    loss.hybridize()
+    np.testing.assert_allclose(loss(p, nd.array(lab if sparse else lab.astype(np.float32))).asnumpy(),
+                               want, rtol=1e-5)
+
+
+def test_softmax_ce_loss_sequence_labels_and_bad_axis():
+    rng = np.random.default_rng(1)
+    pred = rng.standard_normal((2, 3, 5))            # (N, T, K), classes last
+    lab = rng.integers(0, 5, (2, 3))
+    want = -np.take_along_axis(_log_softmax64(pred, 2), lab[..., None], 2)[..., 0].mean(1)
+    got = hl.loss.SoftmaxCrossEntropyLoss()(nd.array(pred.astype(np.float32)), nd.array(lab))
+    np.testing.assert_allclose(got.asnumpy(), want, rtol=1e-5)
+    p = nd.array(pred.astype(np.float32))
+    with pytest.raises(ValueError, match="batch axis"):
+        hl.loss.SoftmaxCrossEntropyLoss(axis=0)(p, nd.array(lab))
+    with pytest.raises(ValueError, match="out of range"):
+        hl.loss.SoftmaxCrossEntropyLoss(axis=3)(p, nd.array(lab))
+    with pytest.raises(ValueError, match="must be an integer"):
+        hl.loss.SoftmaxCrossEntropyLoss(axis=1.0)
+    with pytest.raises(ValueError, match=r"label must have shape \(2, 3\)"):
+        hl.loss.SoftmaxCrossEntropyLoss()(p, nd.array(lab[:, :2]))
