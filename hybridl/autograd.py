@@ -236,8 +236,16 @@ def _run_backward(heads, head_grads, retain_graph, create_graph, wanted=None):
                              "it inside autograd.record() from arrays that called attach_grad()")
         if hg is None:
             hg = _ones_after(h, nd)
+        elif isinstance(hg, np.ndarray):
+            hg = nd.array(hg, dtype=hg.dtype, device=h.device)
+        if not isinstance(hg, nd.NDArray):
+            raise TypeError(f"backward: head gradient: expected an NDArray (one per head, or "
+                            f"None), got {type(hg).__name__}")
         elif hg.shape != h.shape:
             raise ValueError(f"backward: out_grad shape {hg.shape} differs from the head's shape {h.shape}")
+        elif hg.dtype != h.dtype:
+            raise TypeError(f"backward: head gradient dtype {hg.dtype} differs from the head's "
+                            f"dtype {h.dtype}; cast it with .astype('{h.dtype}')")
         grads[id(h)] = (h, hg) if id(h) not in grads else (h, M.add(grads[id(h)][1], hg))
     order = _topo(heads)
     leaves = {}
@@ -326,6 +334,7 @@ def backward(heads, head_grads=None, retain_graph=False):
 
     Raises:
         ValueError: a head is not part of a recorded graph, or a head gradient's shape differs.
+        TypeError: a head gradient is not an NDArray, or its dtype differs from the head's.
         RuntimeError: the graph was freed by an earlier backward.
     """
     if not isinstance(heads, (list, tuple)):
@@ -343,13 +352,17 @@ def grad(heads, variables, head_grads=None, retain_graph=None, create_graph=Fals
 
     Raises:
         ValueError: a head is not part of a recorded graph, or a head gradient's shape differs.
+        TypeError: a head gradient is not an NDArray, or its dtype differs from the head's.
         RuntimeError: the graph was freed by an earlier backward, or a value its gradient reads
             was modified after recording.
     """
     from . import ndarray as nd
     if not isinstance(heads, (list, tuple)):
         heads = [heads]
-        head_grads = None if head_grads is None else [head_grads]
+        if isinstance(head_grads, (list, tuple)) and len(head_grads) == 1:
+            head_grads = list(head_grads)       # one head, its gradient given as a list
+        else:
+            head_grads = None if head_grads is None else [head_grads]
     single = not isinstance(variables, (list, tuple))
     vs = [variables] if single else list(variables)
     saved = [(v._grad_req) for v in vs]
@@ -365,5 +378,8 @@ def grad(heads, variables, head_grads=None, retain_graph=None, create_graph=Fals
     out = []
     for v in vs:
         g = got.get(id(v))
-        out.append(nd.zeros_like(v) if g is None else g[1])
+        g = nd.zeros_like(v) if g is None else g[1]
+        # in the variable's dtype, as its .grad would be (a float64 factor makes a float64
+        # gradient of a float32 variable)
+        out.append(g.astype(v.dtype) if g.dtype != v.dtype else g)
     return out[0] if single else out

@@ -2092,3 +2092,34 @@ def test_softmax_ce_loss_sequence_labels_and_bad_axis():
         hl.loss.SoftmaxCrossEntropyLoss(axis=1.0)
     with pytest.raises(ValueError, match=r"label must have shape \(2, 3\)"):
         hl.loss.SoftmaxCrossEntropyLoss()(p, nd.array(lab[:, :2]))
+
+
+def test_backward_head_gradient_is_checked_at_the_call():
+    x, w = nd.ones((1, 1, 4, 4)), nd.ones((1, 1, 3, 3))
+    x.attach_grad()
+    w.attach_grad()
+    with ag.record():
+        y = nd.conv2d(x, w)
+    # a float64 head of a float32 output failed later, inside conv2d_grad_input, blaming w
+    with pytest.raises(TypeError, match="head gradient dtype float64 differs"):
+        y.backward(nd.ones(y.shape, dtype="float64"))
+    with pytest.raises(TypeError, match="expected an NDArray"):
+        y.backward("ones")
+    y.backward(np.full(y.shape, 2.0, np.float32))          # a NumPy head is taken as an array
+    np.testing.assert_array_equal(w.grad.asnumpy(), np.full((1, 1, 3, 3), 8.0))
+
+
+def test_autograd_grad_single_head_with_listed_head_grad_and_variable_dtype():
+    x = nd.array([1.0, 2.0])
+    with ag.record():
+        y = (x * x).sum()
+    x.attach_grad()
+    with ag.record():
+        y = (x * x).sum()
+    g = ag.grad(y, [x], head_grads=[nd.array(np.float32(3.0))])[0]   # was AttributeError
+    np.testing.assert_allclose(g.asnumpy(), [6.0, 12.0])
+    with ag.record():
+        z = x * nd.array([1.0, 1.0], dtype="float64")
+    g = ag.grad(z, [x])[0]
+    assert g.dtype == np.float32          # the variable's dtype, as x.grad (was float64)
+    np.testing.assert_array_equal(g.asnumpy(), [1.0, 1.0])
