@@ -155,9 +155,12 @@ class SoftmaxCrossEntropyLoss(Loss):
             if len(label.shape) == len(rows) + 1 and label.shape[-1] == 1:
                 label = F.reshape(label, tuple(label.shape[:-1]))
             if tuple(label.shape) != rows:
+                hint = ("; labels of pred's shape (one-hot or probabilities) need "
+                        "SoftmaxCrossEntropyLoss(sparse_label=False)"
+                        if tuple(label.shape) == shape else "")
                 raise ValueError(f"SoftmaxCrossEntropyLoss: label must have shape {rows} (one "
                                  f"class index per position of pred {shape} less its class "
-                                 f"axis {self._axis}), got {tuple(label.shape)}")
+                                 f"axis {self._axis}), got {tuple(label.shape)}{hint}")
             if self._from_logits:        # pred are log-probabilities already
                 # range checked here: one_hot would make an out-of-range label all zeros
                 label = F.class_indices(label, pred.shape[-1])

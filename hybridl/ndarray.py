@@ -627,13 +627,18 @@ def _eager(op, inputs, attrs):
             mixed = True
             arrs.append(x)
     if mixed:                              # scalars / NumPy arrays become constants
+        if like is not None and like.kind == "b":   # a scalar takes the dtype of the first
+            like = next((a.dtype for a in arrs      # array that is not a condition/mask
+                         if isinstance(a, NDArray) and a.dtype.kind != "b"), like)
         for i, x in enumerate(arrs):
             if isinstance(x, NDArray):
                 continue
             if isinstance(x, (numbers.Number, np.number, np.bool_)):
+                if isinstance(x, numbers.Complex) and not isinstance(x, numbers.Real):
+                    raise TypeError(f"{op.name}: complex numbers are not supported, got {x!r}")
                 arrs[i] = _const(np.asarray(x, _scalar_dtype(x, like)), dev)
-            elif isinstance(x, np.ndarray):
-                arrs[i] = _const(np.array(x, copy=True), dev)
+            elif isinstance(x, np.ndarray):        # in a supported dtype, as nd.array makes it
+                arrs[i] = _const(_supported(np.array(x, copy=True), f"{op.name}: input {i}"), dev)
             else:
                 raise TypeError(f"{op.name}: unsupported input type {type(x).__name__}; expected "
                                 f"NDArray, a number or a NumPy array")
@@ -731,21 +736,37 @@ def array(obj, dtype=None, device=None):
     if isinstance(obj, NDArray):
         out = obj.copyto(dev)
         return out if dtype is None else out.astype(dtype)
-    a = np.array(obj, copy=True)
-    if dtype is not None:
-        a = a.astype(as_dtype(dtype), copy=False)
-    elif a.dtype.kind == "f" and a.dtype not in (np.float32, np.float64):
-        a = a.astype(F32)
-    elif a.dtype.kind == "f" and not isinstance(obj, np.ndarray):
-        a = a.astype(F32)
-    elif a.dtype.kind in "iu" and a.dtype not in (np.int32, np.int64):
-        if a.dtype == np.uint64 and a.size and int(a.max()) > np.iinfo(np.int64).max:
-            raise OverflowError(f"obj: uint64 values up to {int(a.max())} do not fit int64 (the "
-                                f"widest integer dtype of NDArrays); convert to float64")
-        a = a.astype(I64)
-    elif a.dtype.kind not in "fiub":
-        raise TypeError(f"obj: expected numbers, got an array of dtype {a.dtype}")
+    if dtype is not None and not isinstance(obj, np.ndarray):
+        # Python numbers straight into the dtype: NumPy refuses what does not fit (2**40 or NaN
+        # as int32) instead of wrapping around in a later cast
+        a = np.array(obj, dtype=as_dtype(dtype), copy=True)
+    else:
+        a = np.array(obj, copy=True)
+        if dtype is not None:
+            a = a.astype(as_dtype(dtype), copy=False)
+        elif a.dtype.kind == "f" and not isinstance(obj, np.ndarray):
+            a = a.astype(F32)
+        else:
+            a = _supported(a, "obj")
     return NDArray(a.shape, a.dtype, dev, a)
+
+
+def _supported(a, what):
+    """NumPy array ``a`` in a dtype NDArrays support: float32/float64/int32/int64/bool kept,
+    other floats as float32, other integers as int64.
+
+    Raises:
+        OverflowError: uint64 values beyond int64. TypeError: not numbers (complex, str, ...)."""
+    if a.dtype.kind == "f" and a.dtype not in (F32, np.float64):
+        return a.astype(F32)
+    if a.dtype.kind in "iu" and a.dtype not in (np.int32, np.int64):
+        if a.dtype == np.uint64 and a.size and int(a.max()) > np.iinfo(np.int64).max:
+            raise OverflowError(f"{what}: uint64 values up to {int(a.max())} do not fit int64 "
+                                f"(the widest integer dtype of NDArrays); convert to float64")
+        return a.astype(I64)
+    if a.dtype.kind not in "fiub":
+        raise TypeError(f"{what}: expected numbers, got an array of dtype {a.dtype}")
+    return a
 
 
 def from_numpy(a, device=None):
@@ -759,7 +780,10 @@ def full(shape, fill_value, dtype=None, device=None):
     """Array of ``shape`` filled with ``fill_value`` (dtype default float32)."""
     shape = _check_shape(shape)
     d = as_dtype(dtype or F32)
-    return NDArray(shape, d, _dev(device), np.full(shape, fill_value, d))
+    # the value converted first: NaN or an out-of-range number for an integer dtype raises
+    # (np.full would cast it unchecked)
+    v = np.array(fill_value, dtype=d) if not isinstance(fill_value, np.ndarray) else fill_value
+    return NDArray(shape, d, _dev(device), np.full(shape, v, d))
 
 
 def zeros(shape, dtype=None, device=None):

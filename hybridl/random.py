@@ -79,27 +79,47 @@ def _random_op(name, shape, dtype, device, draw):
 
 
 def uniform(low=0.0, high=1.0, shape=(1,), dtype=None, device=None):
-    """Samples from U[low, high); shape ``shape``, dtype default float32.
+    """Samples from U[low, high); shape ``shape``, dtype default float32 (float64 allowed).
+
+    Drawn in float64 and rounded to ``dtype``; a draw that rounds up to ``high`` is moved to
+    the largest value below it, so the interval stays half-open in float32 too.
 
     Raises:
-        ValueError: high < low, or a negative size.
+        ValueError: high < low, or a negative size. TypeError: a non-float dtype (integers:
+            :func:`randint`).
     """
     if high < low:
         raise ValueError(f"uniform: high={high} must be >= low={low}")
+    d = _float_dtype("uniform", dtype)
+
+    def draw(g, s):
+        r = g.uniform(low, high, s).astype(d, copy=False)
+        if high > low:
+            top = d.type(high)
+            below = np.nextafter(top, d.type(-np.inf)) if top > d.type(low) else top
+            np.minimum(r, below, out=r)
+        return r
+    return _random_op("uniform", shape, d, device, draw)
+
+
+def _float_dtype(name, dtype):
+    """``dtype`` (default float32) when it is a float dtype; TypeError otherwise."""
     d = as_dtype(dtype or F32)
-    return _random_op("uniform", shape, d, device,
-                      lambda g, s: g.uniform(low, high, s).astype(d, copy=False))
+    if d.kind != "f":
+        raise TypeError(f"{name}: dtype must be float32 or float64, got {d.name}"
+                        + ("; for integers use hl.nd.random.randint" if d.kind in "iu" else ""))
+    return d
 
 
 def normal(loc=0.0, scale=1.0, shape=(1,), dtype=None, device=None):
     """Samples from N(loc, scale**2); dtype default float32.
 
     Raises:
-        ValueError: scale < 0.
+        ValueError: scale < 0. TypeError: a non-float dtype.
     """
     if scale < 0:
         raise ValueError(f"normal: scale must be >= 0, got {scale}")
-    d = as_dtype(dtype or F32)
+    d = _float_dtype("normal", dtype)
     return _random_op("normal", shape, d, device,
                       lambda g, s: g.normal(loc, scale, s).astype(d, copy=False))
 

@@ -2123,3 +2123,82 @@ def test_autograd_grad_single_head_with_listed_head_grad_and_variable_dtype():
     g = ag.grad(z, [x])[0]
     assert g.dtype == np.float32          # the variable's dtype, as x.grad (was float64)
     np.testing.assert_array_equal(g.asnumpy(), [1.0, 1.0])
+
+
+def test_numpy_operands_take_supported_dtypes_and_complex_is_refused():
+    b = nd.array([True, False])
+    assert (b + np.array([1.5, 2], np.float16)).dtype == np.float32     # was float16
+    assert (b + np.array([1, 2], np.uint8)).dtype == np.int64            # was uint8
+    assert nd.add(np.array([1, 2], np.int8), b).dtype == np.int64        # was int8
+    np.testing.assert_array_equal((b + np.array([1, 2], np.uint8)).asnumpy(), [2, 2])
+    with pytest.raises(TypeError, match="complex128"):
+        nd.array([1.0, 2.0]) + np.array([1j, 2])
+    with pytest.raises(TypeError, match="complex numbers"):
+        nd.array([1.0, 2.0]) + 1j
+
+
+def test_where_scalar_takes_the_value_dtype_not_the_condition():
+    r = nd.where(nd.array([True, False]), nd.array([1, 2], dtype="int32"), 1)
+    assert r.dtype == np.int32                      # NumPy 2 and torch: int32 (was int64)
+    np.testing.assert_array_equal(r.asnumpy(), [1, 1])
+
+
+def test_integer_arrays_from_python_numbers_do_not_wrap():
+    with pytest.raises(OverflowError):
+        nd.array([2 ** 40], dtype="int32")          # was [0]
+    with pytest.raises(ValueError, match="NaN"):
+        nd.array([np.nan], dtype="int32")           # was [-2147483648]
+    with pytest.raises(ValueError, match="NaN"):
+        nd.full((2,), np.nan, dtype="int32")
+    np.testing.assert_array_equal(nd.array([1.7, -1.7], dtype="int32").asnumpy(), [1, -1])
+    np.testing.assert_array_equal(nd.array(np.array([1.7, -1.7]), dtype="int32").asnumpy(),
+                                  [1, -1])
+
+
+def test_int_array_with_scalars_beyond_its_range():
+    a = nd.array([1, 2], dtype="int32")
+    q = a / 2 ** 40                                  # was OverflowError; NumPy 2 divides
+    assert q.dtype == np.float32
+    np.testing.assert_allclose(q.asnumpy(), np.array([1, 2]) / 2.0 ** 40, rtol=1e-7)
+    with pytest.raises(OverflowError):
+        a + 2 ** 40                                  # as NumPy 2
+    c = nd.clip(nd.array([0, 1, 9], dtype="int32"), -1e12, 1e12)   # was an OpError
+    np.testing.assert_array_equal(c.asnumpy(), [0, 1, 9])
+    np.testing.assert_array_equal(nd.clip(nd.array([-5, 5], dtype="int32"), -1e12, 3).asnumpy(),
+                                  [-5, 3])
+
+
+@pytest.mark.parametrize("fn", ["maximum", "minimum"])
+def test_maximum_minimum_gradient_with_nan_goes_to_the_nan_input(fn):
+    a = nd.array([np.nan, 2.0, 1.0, np.nan])
+    b = nd.array([1.0, 1.0, 1.0, np.nan])
+    a.attach_grad()
+    b.attach_grad()
+    with ag.record():
+        y = getattr(nd, fn)(a, b)
+    y.backward(nd.ones((4,)))
+    wa = [1.0, 1.0 if fn == "maximum" else 0.0, 0.5, 0.5]
+    np.testing.assert_array_equal(a.grad.asnumpy(), wa)       # was [nan, ...]
+    np.testing.assert_array_equal(b.grad.asnumpy(), [0.0, 1.0 - wa[1], 0.5, 0.5])
+
+
+def test_softmax_over_an_empty_axis_is_empty():
+    for f in (nd.softmax, nd.log_softmax):
+        x = nd.zeros((2, 0))
+        x.attach_grad()
+        with ag.record():
+            y = f(x)
+        y.backward()
+        assert y.shape == (2, 0) and x.grad.shape == (2, 0)
+
+
+def test_random_uniform_is_float_and_half_open():
+    with pytest.raises(TypeError, match="randint"):
+        nd.random.uniform(shape=(3,), dtype="int32")           # was all zeros
+    with pytest.raises(TypeError, match="float32 or float64"):
+        nd.random.normal(shape=(3,), dtype="int64")
+    hl.random.seed(0)
+    # U[1, 1 + 2**-23) (the float32 after 1): half the float64 draws rounded up to high
+    top = 1.0 + 2.0 ** -23
+    r = nd.random.uniform(1.0, top, shape=(1000,)).asnumpy()
+    assert r.max() < np.float32(top) and r.min() >= 1.0

@@ -42,6 +42,8 @@ def softmax(x, axis=-1, *, out=None):
     ax = _axis(x, axis)
     check_float("x", x)
     check_out(out, x.shape, x.dtype)
+    if x.shape[ax] == 0:                    # nothing to normalize (max of nothing is undefined)
+        return np.empty_like(x) if out is None else out
     e = np.subtract(x, x.max(axis=ax, keepdims=True), out=out)
     np.exp(e, out=e)
     e /= e.sum(axis=ax, keepdims=True)
@@ -65,6 +67,8 @@ def log_softmax(x, axis=-1, *, out=None):
     ax = _axis(x, axis)
     check_float("x", x)
     check_out(out, x.shape, x.dtype)
+    if x.shape[ax] == 0:
+        return np.empty_like(x) if out is None else out
     s = np.subtract(x, x.max(axis=ax, keepdims=True), out=out)
     s -= np.log(np.exp(s).sum(axis=ax, keepdims=True))
     return s

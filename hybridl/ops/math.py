@@ -81,9 +81,11 @@ def _g_pow(c, g):
 def _g_maxmin(c, g):
     a, b = c.inputs
     y = c.outputs[0]
-    ma = equal(a, y).astype(g.dtype)
-    mb = equal(b, y).astype(g.dtype)
-    tot = add(ma, mb)          # ties split the gradient evenly
+    # the input(s) the output came from: equal to it, or NaN where it is NaN (NaN != NaN: the
+    # gradient would be 0/0 = NaN for both inputs, also the one that did not matter)
+    ma = logical_or(equal(a, y), not_equal(a, a)).astype(g.dtype)
+    mb = logical_or(equal(b, y), not_equal(b, b)).astype(g.dtype)
+    tot = add(ma, mb)          # ties (and two NaNs) split the gradient evenly
     return _sum_to(multiply(g, divide(ma, tot)), a.shape), _sum_to(multiply(g, divide(mb, tot)), b.shape)
 
 
@@ -166,8 +168,20 @@ def multiply(a, b):
 
 
 def divide(a, b):
-    """Elementwise true division ``a / b`` with broadcasting (ints give float32)."""
+    """Elementwise true division ``a / b`` with broadcasting (ints give float32; a Python
+    integer outside an integer array's range divides as a float, as in NumPy 2)."""
+    a, b = _wide_int_as_float(a, b), _wide_int_as_float(b, a)
     return apply(DIV, a, b)
+
+
+def _wide_int_as_float(v, other):
+    """``v`` as a float when it is an integer scalar outside the range of ``other``'s integer
+    dtype (the quotient is a float anyway; as the array's dtype it would overflow)."""
+    if is_int(v) and getattr(getattr(other, "dtype", None), "kind", None) in ("i", "u"):
+        info = np.iinfo(other.dtype)
+        if not info.min <= int(v) <= info.max:
+            return float(v)
+    return v
 
 
 def power(a, b):
@@ -519,9 +533,14 @@ def ones_like_op(x):
 
 
 def _clip_kernel(x, a_min=None, a_max=None, out=None):
-    if x.dtype.kind in "iub":   # keep the dtype: integer bounds ceil(a_min), floor(a_max)
-        a_min = None if a_min is None else x.dtype.type(math.ceil(a_min))
-        a_max = None if a_max is None else x.dtype.type(math.floor(a_max))
+    if x.dtype.kind in "iub":   # keep the dtype: integer bounds ceil(a_min), floor(a_max),
+        # held inside the dtype's range (a bound beyond it clips nothing on that side)
+        info = np.iinfo(x.dtype) if x.dtype.kind != "b" else None
+        lo, hi = (info.min, info.max) if info is not None else (0, 1)
+        a_min = None if a_min is None else x.dtype.type(
+            builtins.min(builtins.max(math.ceil(a_min), lo), hi))
+        a_max = None if a_max is None else x.dtype.type(
+            builtins.max(builtins.min(math.floor(a_max), hi), lo))
     return np.clip(x, a_min, a_max, out=out)
 
 
