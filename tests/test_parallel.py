@@ -1,5 +1,7 @@
 """Multi-device training: split_and_load, data parallel == single device, SyncBatchNorm ==
 BatchNorm on the whole batch, pipeline and tensor-parallel gradients == the unsplit model."""
+import threading
+
 import numpy as np
 import pytest
 
@@ -229,18 +231,115 @@ def test_sync_batch_norm_in_a_network_over_steps():
 def test_sync_batch_norm_errors():
     bn = nn.SyncBatchNorm()
     bn.initialize(device=devs(2))
+    x0 = hl.nd.array(np.arange(6, dtype=np.float32).reshape(2, 3), device=hl.cpu(0))
     with autograd.record():
-        bn(hl.nd.ones((2, 3), device=hl.cpu(0)))
-        with pytest.raises(RuntimeError, match="twice"):
-            bn(hl.nd.ones((2, 3), device=hl.cpu(0)))
-        bn(hl.nd.ones((2, 3), device=hl.cpu(1)))           # completes the group
-    hl.waitall()
+        dropped = bn(x0)
+        # device 0 again before device 1 came: the first step is dropped (its result fails at
+        # once, not after the timeout) and this call starts the next step
+        y0 = bn(x0)
+        y1 = bn(hl.nd.array(np.arange(6, 12, dtype=np.float32).reshape(2, 3), device=hl.cpu(1)))
+    with pytest.raises(hl.OpError, match="ran the layer again"):
+        dropped.asnumpy()
+    want = nn.BatchNorm()
+    want.initialize()
+    with autograd.record():
+        ref = want(hl.nd.array(np.arange(12, dtype=np.float32).reshape(4, 3))).asnumpy()
+    np.testing.assert_allclose(np.concatenate([y0.asnumpy(), y1.asnumpy()]), ref, rtol=1e-5,
+                               atol=1e-6)
+    with pytest.raises(hl.OpError, match="ran the layer again"):
+        hl.waitall()                                        # reported once more, as any error
     with autograd.predict_mode():                           # predict mode: running statistics
         y = bn(hl.nd.ones((2, 3), device=hl.cpu(1)))
     assert y.shape == (2, 3)
     with hl.engine.set_engine("naive"):
         with autograd.record(), pytest.raises(RuntimeError, match="threaded engine"):
             bn(hl.nd.ones((2, 3)))
+
+
+def _sync_bn_net(devices):
+    hl.random.seed(7)
+    net = nn.Sequential()
+    net.add(nn.Dense(4, in_units=3), nn.SyncBatchNorm(in_channels=4), nn.Dense(2, in_units=4))
+    net.initialize(hl.init.Xavier(), device=devices)
+    return net
+
+
+def _sync_bn_step(net, xs, call):
+    with autograd.record():
+        losses = call(lambda a: net(a).sum(), xs)
+    autograd.backward(losses)
+    return [[g.asnumpy() for g in p.list_grad()] for p in net.collect_params().values()
+            if p.grad_req != "null"]
+
+
+@threaded_only
+def test_sync_batch_norm_replicas_from_threads_and_inside_bulk(monkeypatch):
+    """Replicas called from one thread per device (the layer's group chosen and joined under
+    a lock: two threads made a group each and both waited for the other's device), and
+    inside hl.engine.bulk (a bulked group of ops waited for its own gate): the gradients of
+    the frontend loop, step after step."""
+    from hybridl.parallel import sync_bn
+    monkeypatch.setattr(sync_bn, "SYNC_TIMEOUT_S", 10.0)     # a regression fails, not hangs
+    devices = devs(2)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 3)).astype(np.float32)
+    xs = split_and_load(x, devices)
+
+    def loop(f, arrays):
+        return [f(a) for a in arrays]
+
+    def threads(f, arrays):
+        out = [None] * len(arrays)
+        gate = threading.Barrier(len(arrays))
+
+        def run(i):
+            gate.wait()
+            with autograd.record():
+                out[i] = f(arrays[i])
+        ts = [threading.Thread(target=run, args=(i,)) for i in range(len(arrays))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        return out
+
+    def bulked(f, arrays):
+        with hl.engine.bulk(8):
+            return [f(a) for a in arrays]
+
+    want = _sync_bn_step(_sync_bn_net(devices), xs, loop)
+    for call in (threads, bulked, threads):
+        net = _sync_bn_net(devices)
+        for _ in range(3):
+            got = _sync_bn_step(net, xs, call)
+        ref_net = _sync_bn_net(devices)
+        for _ in range(3):
+            ref = _sync_bn_step(ref_net, xs, loop)
+        for g, r in zip(got, ref):
+            for a, b in zip(g, r):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert want  # the first reference ran too
+
+
+@threaded_only
+def test_sync_batch_norm_recovers_after_a_timed_out_step(monkeypatch):
+    """A step where one device never came fails after the timeout; the next full step works
+    (the failed group stayed the layer's current group: every later step raised)."""
+    from hybridl.parallel import sync_bn
+    monkeypatch.setattr(sync_bn, "SYNC_TIMEOUT_S", 0.3)
+    devices = devs(2)
+    net = _sync_bn_net(devices)
+    x = np.random.default_rng(1).standard_normal((4, 3)).astype(np.float32)
+    with autograd.record():
+        lonely = net(hl.nd.array(x[:2], device=devices[0]))
+    with pytest.raises(hl.OpError, match="only 1 of 2 devices"):
+        lonely.asnumpy()
+    xs = split_and_load(x, devices)
+    got = _sync_bn_step(net, xs, lambda f, a: [f(v) for v in a])
+    assert all(np.isfinite(g).all() for gs in got for g in gs)
+    with autograd.record():
+        again = [net(a) for a in xs]
+    np.testing.assert_array_equal(again[0].asnumpy().shape, (2, 2))
 
 
 # ============================================================================ pipeline

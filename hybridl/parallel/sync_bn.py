@@ -42,6 +42,7 @@ SyncBatchNorm layers in the same order, as for any collective).
 Requires the threaded engine (the naive engine runs each op at its push, before the other
 devices can arrive) and is not hybridizable (its devices meet between separate calls).
 """
+import contextlib
 import threading
 
 import numpy as np
@@ -55,6 +56,7 @@ __all__ = ["SyncBatchNorm", "SYNC_TIMEOUT_S"]
 
 SYNC_TIMEOUT_S = 120.0
 _QUEUE = ("sync", "batch_norm")
+_LAYER_LOCK = threading.Lock()      # choosing a layer's group and joining it are one step
 
 
 class _Group:
@@ -64,6 +66,7 @@ class _Group:
         self.k, self.what = k, what
         self.devices = []
         self.partials = {}          # member index -> tuple of NumPy arrays
+        self.failed = False         # timed out or abandoned: the next step starts a new group
         self.inputs = []            # Vars whose failure must open (and fail) the gate
         self.lock = threading.Lock()
         self.event = threading.Event()
@@ -80,17 +83,29 @@ class _Group:
                             f"sync_bn.{what}.allreduce")
 
     def join(self, device, input_vars):
-        if device in self.devices:
-            raise RuntimeError(f"SyncBatchNorm: device {device!r} ran {self.what} twice before "
-                               f"every device of the step did ({self.devices} of {self.k} so far); "
-                               f"call the replicas once per device per step")
+        """Add ``device``'s member (caller holds the layer's lock); its index."""
         self.devices.append(device)
         self.inputs.extend(input_vars)
         return len(self.devices) - 1
 
-    @property
-    def full(self):
-        return len(self.devices) >= self.k
+    def open_to(self, device):
+        """Whether ``device`` may join this group: it is neither full nor failed, and the
+        device has not joined it yet (a second call from the same device starts the next step,
+        see :meth:`abandon`)."""
+        return not self.failed and len(self.devices) < self.k and device not in self.devices
+
+    def abandon(self, device):
+        """Fail this unfinished group at once: ``device`` ran the layer again before every
+        device of the step did (a replica skipped, or a step cut short by an error or Ctrl-C).
+        Its members' results fail with an error naming the devices; the layer goes on with a
+        new group."""
+        with self.lock:
+            self.failed = True
+            self.error = RuntimeError(
+                f"SyncBatchNorm {self.what}: device {device!r} ran the layer again before every "
+                f"device of the step did (joined: {self.devices} of {self.k}); this step's "
+                f"results are dropped: call each device's replica once per step")
+            self.event.set()
 
     def arrive(self, idx, partial):
         with self.lock:
@@ -104,16 +119,26 @@ class _Group:
             waited += 0.05
             for v in list(self.inputs):
                 if v.exc is not None:
+                    self.failed = True
                     raise RuntimeError(f"SyncBatchNorm {self.what}: an input of a device failed; "
                                        f"see the original error") from v.exc
             if waited >= SYNC_TIMEOUT_S:
+                self.failed = True
+                arrived = sorted(self.devices[i] for i in self.partials)
                 raise RuntimeError(
                     f"SyncBatchNorm {self.what}: only {len(self.partials)} of {self.k} devices "
-                    f"arrived within {SYNC_TIMEOUT_S:.0f} s (joined: {self.devices}); every "
-                    f"device must run the layer in each step")
+                    f"computed their statistics within {SYNC_TIMEOUT_S:.0f} s (joined: "
+                    f"{self.devices}, computed: {arrived}); every device must run the layer in "
+                    f"each step, and not inside hl.engine.bulk")
+        if self.error is not None:
+            raise self.error
 
     def local_totals(self):
-        parts = [self.partials[i] for i in range(self.k)]
+        # summed in device order, not in the order the devices joined (threads may call the
+        # replicas in any order): the same bits every run
+        order = sorted(range(self.k), key=lambda i: (self.devices[i].device_type,
+                                                     self.devices[i].device_id))
+        parts = [self.partials[i] for i in order]
         return [sum(p[j] for p in parts) for j in range(len(parts[0]))]
 
     def totals(self):
@@ -130,6 +155,32 @@ class _Group:
             out.append(flat[off:off + t.size].reshape(np.shape(orig)))
             off += t.size
         self.global_totals = out
+
+
+@contextlib.contextmanager
+def _unbulked():
+    """Push this layer's ops one by one even inside ``hl.engine.bulk``: a bulked group would
+    hold the local statistics and the normalize op that waits for the gate they open."""
+    eng = _engine.get_engine()
+    loc = eng._bulk
+    prev = loc.buf
+    if prev is not None:
+        eng._flush_bulk()
+        loc.buf = None
+    try:
+        yield
+    finally:
+        loc.buf = prev
+
+
+def _next_group(current, device, k, what):
+    """The group ``device`` joins: ``current`` while open to it, else a new one (an unfinished
+    ``current`` that this device already joined is abandoned first)."""
+    if current is not None and current.open_to(device):
+        return current
+    if current is not None and not current.failed and len(current.devices) < current.k:
+        current.abandon(device)
+    return _Group(k, what)
 
 
 def _dist_state():
@@ -173,12 +224,11 @@ class _Member:
         self.saved = None            # (mean, invstd) float64, set by the normalize op
 
 
-def _forward(layer, group, x, gamma, beta, rm, rv):
+def _forward(layer, group, idx, x, gamma, beta, rm, rv):
     from ..ndarray import NDArray
     axis, eps, mom = layer._axis % len(x.shape), layer._eps, layer._momentum
     red = tuple(i for i in range(len(x.shape)) if i != axis)
     dev = x.device
-    idx = group.join(dev, [x._var, gamma._var, beta._var])
     y = NDArray(x.shape, x.dtype, dev)
     mem = _Member(group, idx, x, gamma, y, axis, eps)
     pvar = Var("sync_bn.partial")
@@ -213,14 +263,18 @@ def _forward(layer, group, x, gamma, beta, rm, rv):
 
 
 def _backward(mem, gy):
+    with _unbulked():
+        return _backward_ops(mem, gy)
+
+
+def _backward_ops(mem, gy):
     from ..ndarray import NDArray
     g = mem.group
-    if g.bwd is None or g.bwd.full:
-        g.bwd = _Group(g.k, "backward")
-    bg = g.bwd
     x, gamma, y, axis = mem.x, mem.gamma, mem.y, mem.axis
     dev = x.device
-    idx = bg.join(dev, [gy._var])
+    with g.lock:             # devices' backward passes may run in several threads at once
+        g.bwd = bg = _next_group(g.bwd, dev, g.k, "backward")
+        idx = bg.join(dev, [gy._var])
     red = tuple(i for i in range(len(x.shape)) if i != axis)
     dx = NDArray(x.shape, x.dtype, dev)
     dgamma = NDArray(gamma.shape, gamma.dtype, dev)
@@ -261,9 +315,14 @@ class SyncBatchNorm(BatchNorm):
     devices the layer's parameters were initialized on). In predict mode it is plain
     BatchNorm with the running statistics (identical on every device).
 
+    Replicas may be called from one thread per device (as ``nn.DataParallel`` does) and
+    inside ``hl.engine.bulk`` (this layer's ops are pushed outside the bulk).
+
     Raises:
-        RuntimeError: a device calls the layer twice before all devices of the step did; the
-            naive engine with several devices; hybridization (tracing).
+        RuntimeError: the naive engine with several devices; hybridization (tracing).
+        OpError (at the next sync point): a device ran the layer again before every device of
+            the step did (that step's results fail, the next step starts afresh), or a step's
+            devices did not all arrive within ``SYNC_TIMEOUT_S`` seconds.
     """
 
     def __init__(self, axis=1, momentum=0.9, epsilon=1e-5, center=True, scale=True,
@@ -293,10 +352,11 @@ class SyncBatchNorm(BatchNorm):
             raise RuntimeError("SyncBatchNorm over several devices needs the threaded engine "
                                "(HYBRIDL_ENGINE=naive runs each op at its push, before the "
                                "other devices can join)")
-        g = self._group
-        if g is None or g.full:
-            g = _Group(k, "forward")
-            object.__setattr__(self, "_group", g)
         dev = x.device
         gm, bt, rm, rv = (p.data(dev) for p in self._params())
-        return _forward(self, g, x, gm, bt, rm, rv)
+        with _unbulked():
+            with _LAYER_LOCK:       # replicas called from several threads: one group per step
+                g = _next_group(self._group, dev, k, "forward")
+                object.__setattr__(self, "_group", g)
+                idx = g.join(dev, [x._var, gm._var, bt._var])
+            return _forward(self, g, idx, x, gm, bt, rm, rv)
