@@ -340,6 +340,8 @@ def test_sync_batch_norm_recovers_after_a_timed_out_step(monkeypatch):
     with autograd.record():
         again = [net(a) for a in xs]
     np.testing.assert_array_equal(again[0].asnumpy().shape, (2, 2))
+    with pytest.raises(hl.OpError, match="only 1 of 2 devices"):
+        hl.waitall()                          # the timed-out step, reported once more
 
 
 # ============================================================================ pipeline

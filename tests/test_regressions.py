@@ -2202,3 +2202,32 @@ def test_random_uniform_is_float_and_half_open():
     top = 1.0 + 2.0 ** -23
     r = nd.random.uniform(1.0, top, shape=(1000,)).asnumpy()
     assert r.max() < np.float32(top) and r.min() >= 1.0
+
+
+@pytest.mark.skipif(os.environ.get("HYBRIDL_ENGINE", "threaded") == "naive",
+                    reason="the naive engine raises an op's error at its push")
+def test_trainer_step_does_not_raise_another_threads_error():
+    # thread A pushes a failing loss it never reads; thread B's training loop goes on (its
+    # Trainer.step raised A's error), and A's own next step still raises it
+    errs = {}
+
+    def failing():
+        bad = hl.loss.SoftmaxCrossEntropyLoss()(nd.ones((2, 3)), nd.array([7, 0]))
+        errs["pushed"] = bad
+    t = threading.Thread(target=failing)
+    t.start()
+    t.join()
+    hl.engine.get_engine()._flush_bulk()
+    net = nn.Dense(2, in_units=3)
+    net.initialize()
+    tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+    for _ in range(3):
+        with ag.record():
+            loss = net(nd.ones((4, 3))).sum()
+        loss.backward()
+        tr.step(4)
+    loss.wait_to_read()
+    with pytest.raises(hl.OpError, match="softmax_cross_entropy"):
+        errs["pushed"].wait_to_read()
+    with pytest.raises(hl.OpError, match="softmax_cross_entropy"):
+        hl.waitall()                                  # reported once more, as any error
