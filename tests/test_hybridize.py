@@ -254,6 +254,22 @@ def test_repeated_retracing_warns():
     assert net.cache_info().misses == 10
 
 
+def test_one_program_per_device_is_no_retracing_to_warn_about():
+    # 5 devices x (training, predict) x 2 batch sizes = 20 programs, 4 kinds: no warning
+    devices = [hl.cpu(i) for i in range(5)]
+    net = _mlp()
+    net.initialize(device=devices, force_reinit=True)
+    net.hybridize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for b in (4, 3):
+            for d in devices:
+                with autograd.train_mode():
+                    net(nd.ones((b, 5), device=d))
+                net(nd.ones((b, 5), device=d))
+    assert net.cache_info().misses == 20 and net.cache_info().programs == 20
+
+
 def test_jit_repeated_retracing_warns():
     @hl.jit
     def f(x):

@@ -236,6 +236,12 @@ def _signature(args):
     return (tuple(sig), _AG.training, _AG.recording)
 
 
+def _without_devices(sig):
+    """A call signature (see :func:`_signature`) less the inputs' devices."""
+    ins, training, recording = sig
+    return tuple((s[0], s[1], s[3]) for s in ins), training, recording
+
+
 def _miss_reason(sig, known):
     if not known:
         return "first call"
@@ -267,6 +273,7 @@ class _Cache:
         self.reasons = []
         self.warned = False
         self.version = -1
+        self.kinds = set()      # signatures less their devices (see miss)
 
     def info(self):
         return CacheInfo(hits=self.hits, misses=self.misses, reasons=list(self.reasons),
@@ -277,14 +284,21 @@ class _Cache:
         if e is not None:
             self.hits += 1
             return e
-        self.miss(_miss_reason(sig, list(self.entries)), owner, stacklevel=5)
+        self.miss(_miss_reason(sig, list(self.entries)), owner, stacklevel=5,
+                  kind=_without_devices(sig))
         return None
 
-    def miss(self, reason, owner, stacklevel=3):
-        """Count a miss with its reason; warn once after RETRACE_WARN misses."""
+    def miss(self, reason, owner, stacklevel=3, kind=None):
+        """Count a miss with its reason; warn once after more than RETRACE_WARN of them.
+        ``kind``: the signature less its devices; when given, only misses of new kinds count
+        towards the warning (each device of a data-parallel step has its own program: that is
+        no retracing to warn about)."""
         self.misses += 1
         self.reasons.append(reason)
-        if self.misses > RETRACE_WARN and not self.warned:
+        if kind is not None:
+            self.kinds.add(kind)
+        many = len(self.kinds) if self.kinds else self.misses
+        if many > RETRACE_WARN and not self.warned:
             self.warned = True
             warnings.warn(f"{owner} was retraced {self.misses} times; last reasons: "
                           f"{self.reasons[-3:]}. Keep input shapes fixed (e.g. last_batch="
@@ -423,7 +437,7 @@ class _JitFunction:
             same = [k[0] for k in known if k[1] == sig[1]]
             reason = (_miss_reason(sig[0], same) if same or not known
                       else f"static arguments {sig[1]}")
-            self._cache.miss(reason, self._fn.__name__)
+            self._cache.miss(reason, self._fn.__name__, kind=(_without_devices(sig[0]), sig[1]))
             entry = _build(self._fn, args, self._fn.__name__, self._passes,
                            [s[3] for s in sig[0][0]], static)
             self._cache.entries[sig] = entry

@@ -511,7 +511,8 @@ class TrainStep:
                tuple([p._grad_req for p in self.trainer._params]))
         e = cache.entries.get(sig)
         if e is None:
-            cache.miss(_step_miss_reason(sig, list(cache.entries)), "TrainStep", stacklevel=3)
+            cache.miss(_step_miss_reason(sig, list(cache.entries)), "TrainStep", stacklevel=3,
+                       kind=(sig[0][:2],) + sig[1:])
             e = self._build(data, label)
             cache.entries[sig] = e
             self._last = e
