@@ -62,7 +62,8 @@ def _trace(args):
     from .train_cli import _digits_data_option, _load_data, _model, _setup
     if _digits_data_option(args):
         raise ValueError(_digits_data_option(args))
-    devices = args.device
+    from .device import cpu
+    devices = args.device or [cpu(0)]
     if len(devices) > 1:
         raise ValueError(f"--device: tracing records one device, got {len(devices)}; "
                          f"pass --device cpu:0")

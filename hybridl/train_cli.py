@@ -87,7 +87,7 @@ def build_parser(prog="hybridl train", run_options=True):
     opt("--optimizer", default="sgd", choices=("sgd", "adam", "adamw"))
     opt("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
     opt("--wd", type=float, default=0.0, help="weight decay (default 0)")
-    opt("--device", default="cpu:0", type=_device_list, help="e.g. cpu:0")
+    opt("--device", default=None, type=_device_list, help="e.g. cpu:0 (default)")
     opt("--devices", default=None, type=_device_list,
         help="several devices, e.g. cpu:0,cpu:1 (data parallel by default); "
         "--batch-size stays the total batch, so each device gets batch/k "
@@ -328,9 +328,12 @@ def main_train(argv=None):
     args = build_parser().parse_args(argv)
     devs = args.devices or []
     from .device import cpu
-    if devs and args.device != [cpu(0)]:
+    if devs and args.device is not None:
         return _usage_error(f"give either --device ({','.join(map(str, args.device))}) "
                             f"or --devices ({','.join(map(str, devs))}), not both")
+    args.device = args.device or [cpu(0)]
+    if args.save is not None and not args.save.strip():
+        return _usage_error("--save: expected a file path, got an empty string")
     if len(set(devs)) != len(devs):
         return _usage_error(f"--devices lists a device twice: {','.join(map(str, devs))}")
     if args.strategy != "data" and len(devs) < 2:

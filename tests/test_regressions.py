@@ -2231,3 +2231,21 @@ def test_trainer_step_does_not_raise_another_threads_error():
         errs["pushed"].wait_to_read()
     with pytest.raises(hl.OpError, match="softmax_cross_entropy"):
         hl.waitall()                                  # reported once more, as any error
+
+
+def test_train_cli_refuses_empty_save_and_device_with_devices(capsys):
+    from hybridl.train_cli import main_train
+    assert main_train(["--save", ""]) == 2            # trained, then saved nothing, exit 0
+    assert "--save: expected a file path" in capsys.readouterr().err
+    # an explicit --device cpu:0 beside --devices was taken for the default and ignored
+    assert main_train(["--device", "cpu:0", "--devices", "cpu:0,cpu:1"]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def test_launch_dry_run_without_mpiexec_prints_the_command(monkeypatch, capsys):
+    from hybridl.distributed import launch
+    monkeypatch.setattr(launch, "find_mpiexec", lambda explicit=None: None)
+    assert launch.main(["-n", "2", "--dry-run", "--", "hybridl", "train"]) == 0     # was 127
+    out = capsys.readouterr()
+    assert out.out.strip() == "mpiexec -n 2 hybridl train" and "not found" in out.err
+    assert launch.main(["-n", "2", "--", "hybridl", "train"]) == 127                # a real run

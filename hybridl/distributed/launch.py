@@ -92,7 +92,11 @@ def main(argv=None):
               file=sys.stderr)
         return 2
     mpiexec = find_mpiexec(args.mpiexec)
-    if not mpiexec or not os.path.exists(mpiexec):
+    if args.dry_run and (not mpiexec or not os.path.exists(mpiexec)):
+        print("hybridl launch: note: mpiexec not found; showing the command with 'mpiexec'",
+              file=sys.stderr)
+        mpiexec = args.mpiexec or "mpiexec"
+    elif not mpiexec or not os.path.exists(mpiexec):
         print("hybridl launch: error: mpiexec not found (looked at --mpiexec, $HYBRIDL_MPIEXEC, "
               f"{os.path.dirname(sys.executable)}, the mpich wheel and PATH). Install it with "
               "`pip install 'hybridl[mpi]'` (from a source checkout: `pip install -e \".[mpi]\"`; "
