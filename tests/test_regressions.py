@@ -2249,3 +2249,51 @@ def test_launch_dry_run_without_mpiexec_prints_the_command(monkeypatch, capsys):
     out = capsys.readouterr()
     assert out.out.strip() == "mpiexec -n 2 hybridl train" and "not found" in out.err
     assert launch.main(["-n", "2", "--", "hybridl", "train"]) == 127                # a real run
+
+
+def test_trainer_states_resume_on_another_device_count(tmp_path):
+    from hybridl.parallel import split_and_load
+    devs2 = [hl.cpu(0), hl.cpu(1)]
+    rng = np.random.default_rng(0)
+    batches = [rng.standard_normal((4, 4)).astype(np.float32) for _ in range(3)]
+
+    def make(devices, momentum=0.9):
+        hl.random.seed(3)
+        net = nn.Dense(3, in_units=4)
+        net.initialize(device=devices)
+        return net, hl.Trainer(net.collect_params(), "sgd",
+                               {"learning_rate": 0.1, "momentum": momentum})
+
+    def step(net, tr, x, devices):
+        xs = split_and_load(x, devices, even_split=False)
+        with ag.record():
+            losses = [(net(a) ** 2).sum() for a in xs]
+        ag.backward(losses)
+        tr.step(4)
+
+    net, tr = make(devs2)
+    for x in batches[:2]:
+        step(net, tr, x, devs2)
+    tr.save_states(str(tmp_path / "s.states"))
+    net.save_parameters(str(tmp_path / "p.safetensors"))
+    step(net, tr, batches[2], devs2)                       # the run continued on 2 devices
+    want = net.weight.data(hl.cpu(0)).asnumpy()
+    for devices in ([hl.cpu(0)], [hl.cpu(0), hl.cpu(1), hl.cpu(2)]):   # was a ValueError
+        net1, tr1 = make(devices)
+        net1.load_parameters(str(tmp_path / "p.safetensors"), device=devices)
+        tr1.load_states(str(tmp_path / "s.states"))
+        step(net1, tr1, batches[2], devices)
+        np.testing.assert_allclose(net1.weight.data(hl.cpu(0)).asnumpy(), want, rtol=1e-5,
+                                   atol=1e-6)
+    net0, tr0 = make(devs2, momentum=0.0)
+    with pytest.raises(ValueError, match="'momentum'.* does not use"):   # silently dropped
+        tr0.load_states(str(tmp_path / "s.states"))
+    # copies that differ cannot be shared out to another number of devices
+    tr._wait_states()
+    for (i, d), st in tr._states.items():
+        if d == hl.cpu(1):
+            st["arrays"]["momentum"] = st["arrays"]["momentum"] + 1.0
+    tr.save_states(str(tmp_path / "d.states"))
+    net1, tr1 = make([hl.cpu(0)])
+    with pytest.raises(ValueError, match="saved copies differ"):
+        tr1.load_states(str(tmp_path / "d.states"))

@@ -294,8 +294,9 @@ class Trainer:
         States are matched to this trainer's parameters by name (the states of parameters
         frozen since, ``grad_req='null'``, are skipped). A parameter's states on its
         devices are matched in device order when the file has as many copies (so a run saved
-        on ``cpu(0)`` resumes on ``cpu(1)``), and one saved copy is given to every copy here
-        (replicas hold the same state). Everything is checked before anything changes.
+        on ``cpu(0)`` resumes on ``cpu(1)``); otherwise (a run saved on 2 devices resumed on 1
+        or 3) the saved copies must be identical, as data-parallel replicas' are, and that state
+        is given to every copy here. Everything is checked before anything changes.
 
         Raises:
             FileNotFoundError: no such file.
@@ -303,8 +304,9 @@ class Trainer:
                 other optimizer settings (a state array missing, e.g. SGD saved without
                 momentum); names in the file that are not parameters of this trainer (a
                 trainer over another set of parameters, or the model nested differently);
-                a state array whose shape differs from its parameter's; copies on a number
-                of devices that cannot be matched.
+                a state array whose shape differs from its parameter's; a state array this
+                optimizer's settings do not use (momentum saved, loaded without); copies on
+                another number of devices that differ from each other.
         """
         from safetensors import safe_open
         if not os.path.exists(path):
@@ -346,11 +348,24 @@ class Trainer:
             p = self._params[i]
             devs, ws = p.list_device(), p.list_data()
             if len(keys) not in (1, len(devs)):
-                raise ValueError(f"load_states: parameter {name!r} has state for {len(keys)} "
-                                 f"devices in {path!r} and {len(devs)} here")
+                for k in keys[1:]:          # replicas: one state, whatever the device count
+                    if counts[k] != counts[keys[0]] or _slots(tensors, k) != _slots(tensors, keys[0]) \
+                            or any(not np.array_equal(tensors[f"{k}/{sl}"], tensors[f"{keys[0]}/{sl}"])
+                                   for sl in _slots(tensors, k)):
+                        raise ValueError(
+                            f"load_states: parameter {name!r} has state for {len(keys)} devices "
+                            f"in {path!r} and {len(devs)} here, and the saved copies differ, so "
+                            f"they cannot be shared out; resume on {len(keys)} devices")
+                keys = keys[:1]
             for j, (d, w) in enumerate(zip(devs, ws)):
                 key = keys[j if len(keys) > 1 else 0]
                 template = self._optimizer.create_state(w)
+                unused = sorted(_slots(tensors, key) - set(template))
+                if unused:
+                    raise ValueError(
+                        f"load_states: {path!r} has {unused} state for {name!r} that this "
+                        f"{type(self._optimizer).__name__} does not use (saved with other settings, "
+                        f"e.g. with momentum); create the trainer with the same optimizer_params")
                 arrays = {}
                 for slot, t in template.items():
                     a = tensors.get(f"{key}/{slot}")
@@ -370,6 +385,12 @@ class Trainer:
             self._states[skey] = {"t": t, "arrays": arrays, "var": Var("optimizer_state")}
         self._optimizer.num_update = num_update
         self._optimizer.lr = lr
+
+
+def _slots(tensors, key):
+    """The state slot names saved for state ``key`` (``name@device``): tensors ``key/slot``."""
+    pre = key + "/"
+    return {k[len(pre):] for k in tensors if k.startswith(pre)}
 
 
 def _is_dist(spec):
