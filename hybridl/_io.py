@@ -1,10 +1,13 @@
 """Safe file writing: nothing half-written is ever left under a user's file name.
 
 Every file hybridl writes (parameters, trainer states, exported graphs, traces) is written to a
-temporary file in the same directory and renamed into place (``os.replace`` is atomic on POSIX),
-with the permissions a plain ``open()`` would give under the current umask. Temporary names are
-unique (``tempfile.mkstemp``), so two threads or processes saving to the same path never write
-into one temporary file; the last rename wins, and each file under the name is whole.
+temporary file in the same directory, flushed to disk (``fsync``) and renamed into place
+(``os.replace`` is atomic on POSIX), so that after a crash or a power cut the name holds the
+old file or the new one, whole. A file that exists keeps its permissions; a new one gets those
+a plain ``open()`` would give under the current umask. A symbolic link stays a link: the file
+it points to is replaced. Temporary names are unique (``tempfile.mkstemp``), so two threads or
+processes saving to the same path never write into one temporary file; the last rename wins,
+and each file under the name is whole.
 """
 import os
 import tempfile
@@ -37,7 +40,10 @@ def atomic_write_all(items):
         IsADirectoryError: a target is a directory.
         Whatever ``write`` raises.
     """
-    items = [(os.fspath(path), write) for path, write in items]
+    # a link is followed: its target is replaced and the link kept (os.replace on the link
+    # itself would put a plain file in its place)
+    items = [(os.path.realpath(os.fspath(path)) if os.path.islink(os.fspath(path))
+              else os.fspath(path), write) for path, write in items]
     dirs = [_check_target(path) for path, _ in items]
     tmps = []
     try:
@@ -46,16 +52,41 @@ def atomic_write_all(items):
             os.close(fd)
             tmps.append((path, tmp))
             write(tmp)
+            _fsync(tmp)
         umask = os.umask(0)
         os.umask(umask)
         for path, tmp in tmps:
-            os.chmod(tmp, 0o666 & ~umask)
+            try:                            # an existing file keeps its permissions
+                mode = os.stat(path).st_mode & 0o7777
+            except OSError:
+                mode = 0o666 & ~umask
+            os.chmod(tmp, mode)
         for path, tmp in tmps:
             os.replace(tmp, path)
+        for d in set(dirs):                 # the renames themselves, on disk
+            _fsync(d, directory=True)
     finally:
         for _, tmp in tmps:
             if os.path.exists(tmp):
                 os.remove(tmp)
+
+
+def _fsync(path, directory=False):
+    """Flush ``path``'s data (or a directory's entries) to disk; a file system that cannot
+    (some network or virtual ones refuse a directory) is left as it is."""
+    try:
+        fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    except OSError:
+        if directory:
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not directory:
+            raise
+    finally:
+        os.close(fd)
 
 
 def atomic_write(path, write):

@@ -2297,3 +2297,22 @@ def test_trainer_states_resume_on_another_device_count(tmp_path):
     net1, tr1 = make([hl.cpu(0)])
     with pytest.raises(ValueError, match="saved copies differ"):
         tr1.load_states(str(tmp_path / "d.states"))
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permissions and links")
+def test_saving_keeps_a_links_target_and_a_files_permissions(tmp_path):
+    net = nn.Dense(2, in_units=3)
+    net.initialize()
+    real = tmp_path / "real.safetensors"
+    net.save_parameters(str(real))
+    os.chmod(real, 0o600)
+    link = tmp_path / "latest.safetensors"
+    os.symlink(real.name, link)
+    net.weight.set_data(np.ones((2, 3), np.float32))
+    net.save_parameters(str(link))                    # the link was replaced by a plain file
+    assert os.path.islink(link) and os.readlink(link) == real.name
+    assert (os.stat(real).st_mode & 0o777) == 0o600   # was reset to 0o644 (the umask's)
+    back = nn.Dense(2, in_units=3)
+    back.load_parameters(str(real))
+    np.testing.assert_array_equal(back.weight.data().asnumpy(), np.ones((2, 3)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.safetensors", "real.safetensors"]
