@@ -338,8 +338,8 @@ class _IDXImageDataset(ArrayDataset):
         try:
             arr = convert(res.verify(raw, path))
         except DatasetError as e:
-            if "delete it" in str(e):
-                raise
+            if "delete it" in str(e) or "right folder" in str(e):
+                raise                   # (another data set's valid file: never advise deleting)
             raise DatasetError(f"{e}; delete {path} and run again with download=True (CLI: "
                                f"--download) to fetch a fresh copy") from None
         arr.setflags(write=False)
