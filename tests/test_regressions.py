@@ -2316,3 +2316,10 @@ def test_saving_keeps_a_links_target_and_a_files_permissions(tmp_path):
     back.load_parameters(str(real))
     np.testing.assert_array_equal(back.weight.data().asnumpy(), np.ones((2, 3)))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.safetensors", "real.safetensors"]
+
+
+def test_softmax_ce_label_error_names_the_position():
+    with pytest.raises(hl.OpError, match=r"got 5 at position 2 \(min -1, max 5\)"):
+        hl.loss.SoftmaxCrossEntropyLoss()(nd.ones((4, 3)), nd.array([0, 1, 5, -1])).asnumpy()
+    with pytest.raises(hl.OpError):
+        hl.waitall()

@@ -96,7 +96,9 @@ def _ce_check(logits, labels):
     else:                                   # unsigned, or signed in a non-native byte order
         as_u = labels if labels.dtype.kind == "u" else None
     if N and (as_u.max() >= K if as_u is not None else labels.min() < 0 or labels.max() >= K):
-        raise ValueError(f"labels: expected class indices in [0, {K}), got min {labels.min()}, max {labels.max()}")
+        i = int(np.flatnonzero((labels < 0) | (labels >= K))[0])
+        raise ValueError(f"labels: expected class indices in [0, {K}), got {labels[i]} at "
+                         f"position {i} (min {labels.min()}, max {labels.max()})")
     return logits, labels
 
 
