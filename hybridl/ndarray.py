@@ -348,26 +348,39 @@ class NDArray:
     def broadcast_to(self, shape):
         return M.broadcast_to(self, shape)
 
-    def sum(self, axis=None, keepdims=False):
-        return M.sum(self, axis, keepdims)
+    # dtype= and out= (keyword-only) are what NumPy passes when np.sum(x), np.mean(x), ...
+    # are called on an NDArray: the result is the NDArray's reduction, as for a tensor
+    def sum(self, axis=None, keepdims=False, *, dtype=None, out=None):
+        """Sum over ``axis`` (None: all). ``dtype``: accumulate in that dtype; ``out``: only
+        None (NumPy's protocol).
 
-    def mean(self, axis=None, keepdims=False):
-        return M.mean(self, axis, keepdims)
+        Raises:
+            TypeError: an ``out`` array."""
+        return M.sum(_reduce_in(self, dtype, out, "sum"), axis, keepdims)
 
-    def max(self, axis=None, keepdims=False):
-        return M.max(self, axis, keepdims)
+    def mean(self, axis=None, keepdims=False, *, dtype=None, out=None):
+        """Mean over ``axis`` (see :meth:`sum` for ``dtype`` and ``out``)."""
+        return M.mean(_reduce_in(self, dtype, out, "mean"), axis, keepdims)
 
-    def min(self, axis=None, keepdims=False):
-        return M.min(self, axis, keepdims)
+    def max(self, axis=None, keepdims=False, *, out=None):
+        """Maximum over ``axis`` (``out``: only None)."""
+        return M.max(_reduce_in(self, None, out, "max"), axis, keepdims)
 
-    def prod(self, axis=None, keepdims=False):
-        return M.prod(self, axis, keepdims)
+    def min(self, axis=None, keepdims=False, *, out=None):
+        """Minimum over ``axis`` (``out``: only None)."""
+        return M.min(_reduce_in(self, None, out, "min"), axis, keepdims)
 
-    def argmax(self, axis=None, keepdims=False):
-        return M.argmax(self, axis, keepdims)
+    def prod(self, axis=None, keepdims=False, *, dtype=None, out=None):
+        """Product over ``axis`` (see :meth:`sum` for ``dtype`` and ``out``)."""
+        return M.prod(_reduce_in(self, dtype, out, "prod"), axis, keepdims)
 
-    def argmin(self, axis=None, keepdims=False):
-        return M.argmin(self, axis, keepdims)
+    def argmax(self, axis=None, keepdims=False, *, out=None):
+        """Index of the maximum along ``axis`` (``out``: only None)."""
+        return M.argmax(_reduce_in(self, None, out, "argmax"), axis, keepdims)
+
+    def argmin(self, axis=None, keepdims=False, *, out=None):
+        """Index of the minimum along ``axis`` (``out``: only None)."""
+        return M.argmin(_reduce_in(self, None, out, "argmin"), axis, keepdims)
 
     def exp(self):
         return M.exp(self)
@@ -549,6 +562,14 @@ _COPY = Op("copy", lambda x: x, lambda x: [(x.shape, x.dtype)], _g_copy)
 def _copy_meta(src):
     nbytes = src.size * src.dtype.itemsize
     return {"flops": 0.0, "bytes": 2.0 * nbytes}
+
+
+def _reduce_in(x, dtype, out, name):
+    """``x`` in the dtype a reduction accumulates in (None: its own); ``out`` must be None."""
+    if out is not None:
+        raise TypeError(f"{name}: out= is not supported (NDArrays are not written in place by "
+                        f"reductions); use the returned array")
+    return x if dtype is None or as_dtype(dtype) == x.dtype else x.astype(dtype)
 
 
 def _assign_data(dst, src, priority=0, skip_clean=False):

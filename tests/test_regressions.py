@@ -2323,3 +2323,27 @@ def test_softmax_ce_label_error_names_the_position():
         hl.loss.SoftmaxCrossEntropyLoss()(nd.ones((4, 3)), nd.array([0, 1, 5, -1])).asnumpy()
     with pytest.raises(hl.OpError):
         hl.waitall()
+
+
+def test_sequential_takes_blocks_in_its_constructor():
+    net = nn.HybridSequential(nn.Dense(2, in_units=4), nn.Dense(3, in_units=2))   # was TypeError
+    net.initialize()
+    ref = nn.HybridSequential()
+    ref.add(net[0], net[1])
+    x = nd.ones((2, 4))
+    np.testing.assert_array_equal(net(x).asnumpy(), ref(x).asnumpy())
+    assert len(nn.Sequential(nn.Dense(2), nn.Dense(2))) == 2
+    with pytest.raises(TypeError, match="expected Blocks"):
+        nn.Sequential(3)
+
+
+def test_numpy_reductions_on_ndarrays():
+    x = nd.array([[1.0, 2.0], [3.0, 4.0]])
+    assert float(np.sum(x).item()) == 10.0                  # was TypeError: unexpected 'out'
+    assert float(np.mean(x).item()) == 2.5                  # was TypeError: unexpected 'dtype'
+    np.testing.assert_array_equal(np.max(x, axis=0).asnumpy(), [3.0, 4.0])
+    assert int(np.argmax(x).item()) == 3 and float(np.prod(x).item()) == 24.0
+    assert np.sum(x, dtype=np.float64).dtype == np.float64
+    np.testing.assert_array_equal(x.sum(0, True).asnumpy(), [[4.0, 6.0]])   # positional keepdims
+    with pytest.raises(TypeError, match="out= is not supported"):
+        np.sum(x, out=np.zeros(()))

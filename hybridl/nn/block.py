@@ -406,7 +406,16 @@ class HybridBlock(Block):
 
 
 class Sequential(Block):
-    """Children called in order: ``net.add(a, b, c)``; ``net(x) == c(b(a(x)))``."""
+    """Children called in order: ``net.add(a, b, c)`` (or ``Sequential(a, b, c)``, as
+    ``torch.nn.Sequential``); ``net(x) == c(b(a(x)))``.
+
+    Raises:
+        TypeError: a child that is not a Block."""
+
+    def __init__(self, *blocks):
+        super().__init__()
+        if blocks:
+            self.add(*blocks)
 
     def add(self, *blocks):
         """Append blocks (registered as children '0', '1', ...)."""
@@ -435,7 +444,13 @@ class Sequential(Block):
 
 
 class HybridSequential(HybridBlock):
-    """Sequential of HybridBlocks: hybridizable as a whole."""
+    """Sequential of HybridBlocks: hybridizable as a whole; ``HybridSequential(a, b, c)`` or
+    ``.add(a, b, c)``."""
+
+    def __init__(self, *blocks):
+        super().__init__()
+        if blocks:
+            self.add(*blocks)
 
     add = Sequential.add
     forward = Sequential.forward
