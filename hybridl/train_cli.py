@@ -301,6 +301,30 @@ def _setup(args):
         args.lr = 0.05 if args.optimizer == "sgd" else 0.002
 
 
+def _busy_note(load=None):
+    """A hint when other programs keep this machine's cores busy and BLAS may use several
+    threads: a multi-threaded GEMM then waits for a time slice for each of its threads (on a
+    2-core machine with the other core busy, 10-20x slower steps were measured). Returns the
+    note, or None. ``load``: the 1-minute load average (default: the system's)."""
+    import os
+
+    from .ops import _blas
+    if _blas.budget() < 2 or os.environ.get("OPENBLAS_NUM_THREADS"):
+        return None
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):
+            return None
+    cores = _blas.cores()
+    if load < cores - 0.5:
+        return None
+    return (f"note: this machine is busy (load average {load:.1f} on {cores} cores); BLAS "
+            f"products on {_blas.budget()} threads wait for one another and can be many times "
+            f"slower: OPENBLAS_NUM_THREADS=1 hybridl train ... is often faster then (about the same "
+            f"accuracy up to rounding: other last bits)")
+
+
 def lr_schedule(args, steps_per_epoch):
     """The schedule ``--lr-schedule`` names, for ``args.epochs`` epochs (None: constant)."""
     if getattr(args, "lr_schedule", "constant") != "cosine":
@@ -460,6 +484,9 @@ def _train(args):
               f"{args.optimizer} lr {args.lr} ({args.lr_schedule}), device {devices[0]}"
               + (f" on each of {dist.size()} processes" if multi else "")
               + f", {mode}, {_engine_name()} engine", flush=True)
+        busy = _busy_note()
+        if busy:
+            print(busy, file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     hist = fit(net, trainer, train_loader, test_loader, args.epochs,
                progress=not args.quiet and sys.stderr.isatty(), rank0=rank0,

@@ -306,11 +306,13 @@ def test_hybridized_layer_before_a_layer_of_another_float_type_backpropagates():
     grads = []
     for hyb in (False, True):
         a.hybridize(hyb)
-        with ag.record():
-            loss = b(a(x)).sum()
+        with ag.record():          # (mixed float types need an explicit cast: see below)
+            loss = b(a(x).astype("float64")).sum()
         loss.backward()
         grads.append(a.weight.grad().asnumpy())
     assert grads[1].dtype == np.float32
+    with pytest.raises(TypeError, match="data dtype float32 differs from weight dtype float64"):
+        b(a(x))
     np.testing.assert_allclose(grads[1], grads[0], rtol=1e-5)
 
 
@@ -2347,3 +2349,15 @@ def test_numpy_reductions_on_ndarrays():
     np.testing.assert_array_equal(x.sum(0, True).asnumpy(), [[4.0, 6.0]])   # positional keepdims
     with pytest.raises(TypeError, match="out= is not supported"):
         np.sum(x, out=np.zeros(()))
+
+
+def test_train_notes_a_busy_machine(monkeypatch):
+    from hybridl import train_cli
+    from hybridl.ops import _blas
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    monkeypatch.setattr(_blas, "budget", lambda: 2)
+    monkeypatch.setattr(_blas, "cores", lambda: 2)
+    assert "OPENBLAS_NUM_THREADS=1" in train_cli._busy_note(load=1.9)
+    assert train_cli._busy_note(load=0.3) is None
+    monkeypatch.setattr(_blas, "budget", lambda: 1)
+    assert train_cli._busy_note(load=5.0) is None           # one BLAS thread: nothing to say

@@ -889,6 +889,12 @@ def _fc_infer(x, w, *b, flatten=True, act=None):
     name = "fully_connected"
     if act not in (None, "relu"):
         raise ValueError(f"{name}: act must be None or 'relu', got {act!r}")
+    if x.dtype.kind == "f" and x.dtype != w.dtype:
+        # as conv2d (and MXNet, PyTorch): float64 data through a float32 layer would silently
+        # compute (and return) float64, at twice the cost; integer data takes w's float type
+        raise TypeError(f"{name}: data dtype {x.dtype} differs from weight dtype {w.dtype}; "
+                        f"cast the data with .astype('{w.dtype}') (hl.nd.array(x, dtype="
+                        f"'{w.dtype}')), or the model's parameters to {x.dtype}")
     if len(w.shape) != 2:
         raise ValueError(f"{name}: weight must be 2-D (units, in_units), got shape {w.shape}")
     k = numel(x.shape[1:]) if flatten else x.shape[-1]
