@@ -25,9 +25,11 @@ def build_parser():
     p = train_parser(prog="hybridl trace", run_options=False)
     p.description = ("Record training steps with the profiler: write a Chrome trace (Perfetto) "
                      "and print the per-op table.")
-    p.add_argument("--steps", type=_positive_int, default=10, help="training steps to record (10)")
-    p.add_argument("--warmup", type=_nonnegative_int, default=2,
-                   help="steps run before recording starts (2)")
+    p.add_argument("--steps", type=_positive_int, default=20, help="training steps to record (20)")
+    # 5: the first steps compile the program, learn the engine's op costs and warm the caches;
+    # with 2 the first recorded step took 5-10x the others and skewed the mean
+    p.add_argument("--warmup", type=_nonnegative_int, default=5,
+                   help="steps run before recording starts (5)")
     p.add_argument("--out", default="trace.json", metavar="PATH",
                    help="trace file to write (default trace.json)")
     p.add_argument("--sort", default="total", choices=("total", "count", "mean", "name"),
