@@ -102,6 +102,11 @@ class NDArray:
     __str__ = __repr__
 
     def __bool__(self):
+        if self.size != 1:          # NumPy's wording and advice
+            raise ValueError(f"the truth value of an array with more than one element (shape "
+                             f"{self.shape}) is ambiguous; use a.any() or a.all()"
+                             if self.size else
+                             "the truth value of an empty array is ambiguous; use a.size > 0")
         return bool(self.item())
 
     def __float__(self):

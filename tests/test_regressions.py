@@ -2361,3 +2361,23 @@ def test_train_notes_a_busy_machine(monkeypatch):
     assert train_cli._busy_note(load=0.3) is None
     monkeypatch.setattr(_blas, "budget", lambda: 1)
     assert train_cli._busy_note(load=5.0) is None           # one BLAS thread: nothing to say
+
+
+def test_errors_at_the_call_name_the_op_and_its_arguments():
+    with pytest.raises(ValueError, match=r"^conv2d: weight: expected w.shape\[1\]"):
+        nd.conv2d(nd.ones((1, 3, 5, 5)), nd.ones((2, 2, 3, 3)))
+    with pytest.raises(ValueError, match="^conv2d: data: expected a 4-D array"):
+        nd.conv2d(nd.ones((3, 5, 5)), nd.ones((2, 3, 3, 3)))
+    with pytest.raises(ValueError, match="^max_pool2d: padding"):
+        nd.max_pool2d(nd.ones((1, 1, 4, 4)), 2, padding=2)
+    with pytest.raises(ValueError, match="ambiguous; use a.any"):
+        bool(nd.ones((2,)))                          # blamed item()
+    # failures only the kernel found (an OpError at the next sync point) are refused at the call
+    with pytest.raises(ValueError, match="batch_norm: data must be 2-D to 5-D"):
+        nd.batch_norm(nd.ones((2, 3, 2, 2, 2, 2)), nd.ones((3,)), nd.zeros((3,)), nd.zeros((3,)),
+                      nd.ones((3,)))
+    with pytest.raises(ValueError, match="negative integer powers"):
+        nd.array([1, 2]) ** -1
+    with pytest.raises(IndexError, match="axis 0 of size 0"):
+        nd.take(nd.ones((0, 3)), nd.array([0]))
+    assert nd.take(nd.ones((0, 3)), nd.array([], dtype="int64")).shape == (0, 3)

@@ -185,7 +185,14 @@ def _wide_int_as_float(v, other):
 
 
 def power(a, b):
-    """Elementwise ``a ** b`` with broadcasting."""
+    """Elementwise ``a ** b`` with broadcasting.
+
+    Raises:
+        ValueError: an integer array to a negative integer (scalar) power, as NumPy (the
+            result is not an integer); use a float array."""
+    if is_int(b) and b < 0 and getattr(getattr(a, "dtype", None), "kind", None) in ("i", "u"):
+        raise ValueError(f"power: integers to negative integer powers are not allowed (as in "
+                         f"NumPy), got {a.dtype} ** {b}; use a float array (x.astype('float32'))")
     return apply(POW, a, b)
 
 
@@ -1290,6 +1297,9 @@ def slice_grad(g, shape, key):
 def _take_infer(a, idx, axis, mode):
     if idx.dtype.kind not in "iu":
         raise TypeError(f"take: indices must be an integer array, got dtype {idx.dtype}")
+    if a.shape[axis] == 0 and numel(idx.shape):
+        raise IndexError(f"take: cannot take {numel(idx.shape)} index(es) from axis {axis} of "
+                         f"size 0 (array shape {tuple(a.shape)})")
     return [(a.shape[:axis] + tuple(idx.shape) + a.shape[axis + 1:], a.dtype)]
 
 

@@ -176,7 +176,8 @@ def _conv_infer(x, w, *b, stride, padding, dilation, groups, act=None):
         if p.dtype != x.dtype:
             raise TypeError(f"conv2d: {n} dtype {p.dtype} differs from data dtype {x.dtype}; "
                             f"cast one with .astype()")
-    out = K.conv2d_output_shape(x.shape, w.shape, stride, padding, dilation, groups)
+    out = _named("conv2d", K.conv2d_output_shape, x.shape, w.shape, stride, padding, dilation,
+                 groups)
     if b and tuple(b[0].shape) != (w.shape[0],):
         raise ValueError(f"conv2d: bias must have shape ({w.shape[0]},), got {b[0].shape}")
     return [(tuple(out), x.dtype)]
@@ -263,8 +264,25 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, act=
 def _pool_infer(name):
     def infer(x, kernel, stride, padding, **a):
         check_float(name, x)
-        return [(tuple(K.pool2d_output_shape(x.shape, kernel, stride, padding)), x.dtype)]
+        return [(tuple(_named(name, K.pool2d_output_shape, x.shape, kernel, stride, padding)),
+                 x.dtype)]
     return infer
+
+
+_FRONT_NAMES = (("x:", "data:"), ("w:", "weight:"))     # the kernels' argument names -> the ops'
+
+
+def _named(op, fn, *args):
+    """``fn(*args)`` (a kernel's shape check); its ValueError names the op and the op's own
+    arguments (``data``, ``weight``) instead of the kernel's (``x``, ``w``)."""
+    try:
+        return fn(*args)
+    except ValueError as e:
+        msg = str(e)
+        for k, f in _FRONT_NAMES:
+            if msg.startswith(k):
+                msg = f + msg[len(k):]
+        raise ValueError(f"{op}: {msg}") from None
 
 
 def _g_maxpool(c, g):
@@ -326,6 +344,9 @@ def global_avg_pool2d(x):
 def _bn_check(x, gamma, beta, axis):
     """Shapes of batch norm's inputs (both modes); returns C."""
     check_float("batch_norm", x)
+    if not 2 <= len(x.shape) <= 5:      # the kernels' range (checked there only when they ran)
+        raise ValueError(f"batch_norm: data must be 2-D to 5-D (N, C, ...), got "
+                         f"{len(x.shape)}-D with shape {tuple(x.shape)}")
     C = x.shape[axis]
     for n, p in (("gamma", gamma), ("beta", beta)):
         if tuple(p.shape) != (C,):
