@@ -97,6 +97,10 @@ class Profile:
     """
 
     def __init__(self, engine=None):
+        from .engine import Engine
+        if engine is not None and not isinstance(engine, Engine):
+            raise TypeError(f"engine: expected an Engine (hl.engine.get_engine()) or None, got "
+                            f"{type(engine).__name__} {engine!r}")
         self._engine_arg = engine
         self._engine = None
         self._prev = None

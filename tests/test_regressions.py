@@ -2381,3 +2381,15 @@ def test_errors_at_the_call_name_the_op_and_its_arguments():
     with pytest.raises(IndexError, match="axis 0 of size 0"):
         nd.take(nd.ones((0, 3)), nd.array([0]))
     assert nd.take(nd.ones((0, 3)), nd.array([], dtype="int64")).shape == (0, 3)
+
+
+def test_profiler_and_hardware_refuse_empty_or_wrong_arguments():
+    from hybridl import hardware as hw
+    with pytest.raises(TypeError, match="engine: expected an Engine"):
+        hl.profiler.Profile(engine="naive")             # AttributeError at start()
+    with pytest.raises(ValueError, match="sizes: expected at least one"):
+        hw.measure_memory_latency(sizes=[])             # max() arg is an empty sequence
+    with pytest.raises(ValueError, match="threads: expected at least one"):
+        hw.measure_gemm(threads=[])                     # returned []
+    with pytest.raises(ValueError, match="min_seconds"):
+        hw.measure_gemm(n=8, min_seconds=-1)

@@ -41,7 +41,8 @@ def measure_gemm(n: int = 1024, dtype="float32", threads=None, repeats: int = 5,
         ``"GFLOP/s"``, one per thread count (``settings["threads"]``).
 
     Raises:
-        ValueError: n or repeats < 1, a thread count < 1, or dtype not float32/float64.
+        ValueError: n or repeats < 1, a thread count < 1 or none, min_seconds < 0, or dtype not
+            float32/float64.
     """
     n = check_positive_int("n", n)
     repeats = check_positive_int("repeats", repeats)
@@ -61,6 +62,11 @@ def measure_gemm(n: int = 1024, dtype="float32", threads=None, repeats: int = 5,
     elif isinstance(threads, int):
         threads = [threads]
     threads = [check_positive_int("threads[i]", t) for t in threads]
+    if not threads:
+        raise ValueError("threads: expected at least one BLAS thread count, got none")
+    if isinstance(min_seconds, bool) or not isinstance(min_seconds, (int, float)) \
+            or not min_seconds >= 0:
+        raise ValueError(f"min_seconds: expected a number of seconds >= 0, got {min_seconds!r}")
     rng = np.random.default_rng(0)
     a = rng.standard_normal((n, n)).astype(dt)
     b = rng.standard_normal((n, n)).astype(dt)

@@ -269,7 +269,7 @@ def measure_memory_latency(max_bytes: int | None = None, min_bytes: int = 4 * _K
         :func:`compare_cache_levels`).
 
     Raises:
-        ValueError: non-positive sizes, min_bytes > max_bytes, stride not a multiple of 8,
+        ValueError: non-positive or no sizes, min_bytes > max_bytes, stride not a multiple of 8,
             unknown order or method.
     """
     orders = tuple(orders)
@@ -302,6 +302,8 @@ def measure_memory_latency(max_bytes: int | None = None, min_bytes: int = 4 * _K
         sizes = _default_sizes(min_bytes, max_bytes, points_per_octave)
     else:
         sizes = sorted(check_positive_int("sizes[i]", s) for s in sizes)
+        if not sizes:
+            raise ValueError("sizes: expected at least one working-set size (bytes), got none")
     sizes = [max(s // stride, 2) * stride for s in sizes]
 
     if method == "python-loop":
