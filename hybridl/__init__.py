@@ -34,3 +34,8 @@ def __getattr__(name):
         globals()[name] = val
         return val
     raise AttributeError(f"module 'hybridl' has no attribute {name!r}")
+
+
+def __dir__():
+    # the lazily imported modules and names too (tab completion, dir(hl))
+    return sorted(set(globals()) | _LAZY | set(_LAZY_ATTRS))

@@ -68,6 +68,10 @@ class NDArray:
         _engine.wait_for(self._var)
         return np.array(self._data, copy=True)
 
+    def numpy(self):
+        """The same as :meth:`asnumpy` (PyTorch's name): a NumPy copy, a sync point."""
+        return self.asnumpy()
+
     def item(self):
         """The value of a one-element array as a Python scalar (a sync point).
 

@@ -510,3 +510,47 @@ def test_plain_sgd_large_weights_one_pass(dtype):
     np.testing.assert_array_equal(results[0], results[1])
     ref = ref_sgd(w0.astype("float64"), grads, 0.1, rescale=0.25)
     np.testing.assert_allclose(results[0], ref, rtol=1e-5 if dtype == "float32" else 1e-12, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")     # inf * 0 in the inf case
+def test_clip_global_norm_against_numpy():
+    rng = np.random.default_rng(0)
+    vals = [rng.standard_normal((3, 4)).astype(np.float32), rng.standard_normal(5).astype(np.float32)]
+    want = np.sqrt(sum((v.astype(np.float64) ** 2).sum() for v in vals))
+    arrays = [hl.nd.array(vals[0]), hl.nd.array(vals[1], device=hl.cpu(1))]
+    norm = hl.optim.clip_global_norm(arrays, 1.0)
+    assert norm == pytest.approx(want, rel=1e-12)
+    for a, v in zip(arrays, vals):                    # scaled by max_norm / norm
+        np.testing.assert_allclose(a.asnumpy(), v * (1.0 / (want + 1e-8)), rtol=1e-6)
+    kept = [hl.nd.array(v) for v in vals]
+    assert hl.optim.clip_global_norm(kept, 10.0) == pytest.approx(want, rel=1e-12)
+    for a, v in zip(kept, vals):                      # below the bound: untouched
+        np.testing.assert_array_equal(a.asnumpy(), v)
+    with pytest.warns(RuntimeWarning, match="inf or NaN"):
+        hl.optim.clip_global_norm([hl.nd.array([np.inf, 1.0])], 1.0)
+    for bad, err in (([], ValueError), (hl.nd.ones(2), TypeError), ([np.ones(2)], TypeError),
+                     ([hl.nd.array([1, 2])], TypeError)):
+        with pytest.raises(err, match="arrays"):
+            hl.optim.clip_global_norm(bad, 1.0)
+    for bad in (0, -1.0, float("inf"), True):
+        with pytest.raises(ValueError, match="max_norm"):
+            hl.optim.clip_global_norm([hl.nd.ones(2)], bad)
+
+
+def test_clip_global_norm_in_a_training_step():
+    net = hl.nn.Dense(2, in_units=3)
+    net.initialize()
+    w0 = net.weight.data().asnumpy().copy()
+    tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 1.0})
+    x = hl.nd.array(np.full((4, 3), 10.0, np.float32))
+    with hl.autograd.record():
+        loss = net(x).sum()
+    loss.backward()
+    grads = [p.grad() for p in net.collect_params().values()]
+    norm = hl.optim.clip_global_norm(grads, 0.5)
+    assert norm > 0.5
+    tr.step(1)
+    g = np.concatenate([(w0 - net.weight.data().asnumpy()).ravel()])
+    gb = -net.bias.data().asnumpy()
+    np.testing.assert_allclose(np.sqrt((g.astype(np.float64) ** 2).sum() + (gb ** 2).sum()), 0.5,
+                               rtol=1e-5)

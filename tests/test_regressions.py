@@ -2393,3 +2393,10 @@ def test_profiler_and_hardware_refuse_empty_or_wrong_arguments():
         hw.measure_gemm(threads=[])                     # returned []
     with pytest.raises(ValueError, match="min_seconds"):
         hw.measure_gemm(n=8, min_seconds=-1)
+
+
+def test_dir_lists_lazy_modules_and_numpy_alias():
+    names = dir(hl)
+    for n in ("nn", "loss", "data", "Trainer", "jit", "optim"):
+        assert n in names                               # lazily imported: dir() missed them
+    np.testing.assert_array_equal(nd.array([1.0, 2.0]).numpy(), [1.0, 2.0])
