@@ -2400,3 +2400,23 @@ def test_dir_lists_lazy_modules_and_numpy_alias():
     for n in ("nn", "loss", "data", "Trainer", "jit", "optim"):
         assert n in names                               # lazily imported: dir() missed them
     np.testing.assert_array_equal(nd.array([1.0, 2.0]).numpy(), [1.0, 2.0])
+
+
+def test_bad_hyper_parameters_are_refused_at_construction():
+    from hybridl import hardware as hw
+    with pytest.raises(TypeError, match="momentum: expected a number, got str"):
+        hl.optim.SGD(momentum="x")                      # '<=' not supported ...
+    with pytest.raises(ValueError, match="epsilon"):
+        hl.optim.Adam(epsilon=-1e-8)
+    with pytest.raises(ValueError, match="Conv2D: strides must be integers >= 1"):
+        nn.Conv2D(4, 3, strides=0)                      # failed at the first call
+    with pytest.raises(ValueError, match="Conv2D: padding must be integers >= 0"):
+        nn.Conv2D(4, 3, padding=(0, -1))
+    with pytest.raises(ValueError, match="num_devices"):
+        hl.parallel.SyncBatchNorm(num_devices=0)
+    with pytest.raises(ValueError, match="overhead_factor"):
+        hw.classify_op(1.0, 1.0, 1.0, overhead_factor=0)
+    with pytest.raises(ValueError, match="outputs: expected a Symbol or a list"):
+        hl.compile(5)                                   # TypeError: not iterable
+    with pytest.raises(TypeError, match="static_argnames: expected a name"):
+        hl.jit(lambda x: x, static_argnames=5)

@@ -32,7 +32,13 @@ def compile(outputs, passes=None, inputs=None, name="program"):  # noqa: A001 - 
         ValueError: an unknown pass name, ``passes`` not a list of names/functions, an output
             that is not a Symbol, an input that is not a ``var`` or is listed twice.
     """
-    outs = [outputs] if isinstance(outputs, Symbol) else list(outputs)
+    if isinstance(outputs, Symbol):
+        outs = [outputs]
+    elif isinstance(outputs, (list, tuple)):
+        outs = list(outputs)
+    else:
+        raise ValueError(f"outputs: expected a Symbol or a list of Symbols built from "
+                         f"hl.sym.var inputs, got {type(outputs).__name__}")
     for i, o in enumerate(outs):
         if not isinstance(o, Symbol):
             raise ValueError(f"outputs: expected Symbols built from hl.sym.var inputs; output {i} "

@@ -139,12 +139,13 @@ def classify_op(flops, nbytes, seconds, profile=None, dtype=None,
         and ``roofline_fraction`` (t_roof / seconds, None without a profile).
 
     Raises:
-        ValueError: negative flops/nbytes or non-positive seconds.
+        ValueError: negative flops/nbytes, non-positive seconds or overhead_factor.
     """
     if flops is None or nbytes is None or flops < 0 or nbytes < 0:
         raise ValueError(f"flops and nbytes must be >= 0, got flops={flops!r}, "
                          f"nbytes={nbytes!r}")
     seconds = check_positive_float("seconds", seconds)
+    overhead_factor = check_positive_float("overhead_factor", overhead_factor)
     out = {"gflops": flops / seconds / 1e9, "gbs": nbytes / seconds / 1e9,
            "intensity": (flops / nbytes) if nbytes else None, "bound": None,
            "roofline_fraction": None}

@@ -12,6 +12,7 @@ import numpy as np
 from .. import autograd
 from .. import nd as F
 from ..kernels._check import is_int as _is_int
+from ..kernels._check import pair
 from .block import HybridBlock
 from .parameter import Parameter
 
@@ -110,6 +111,12 @@ class Conv2D(HybridBlock):
 
     Shapes: x (N, in_channels, H, W) -> (N, channels, OH, OW); weight
     (channels, in_channels // groups, KH, KW); bias (channels,).
+
+    Raises:
+        ValueError: at construction, channels/kernel_size/strides/dilation/groups not integers
+            >= 1 (an int or a pair), padding not integers >= 0, channels or in_channels not
+            divisible by groups, a layout other than NCHW; at the call, input that is not 4-D
+            or whose channels differ from in_channels.
     """
 
     def __init__(self, channels, kernel_size, strides=1, padding=0, dilation=1, groups=1,
@@ -126,6 +133,14 @@ class Conv2D(HybridBlock):
         if len(ks) != 2 or not all(_is_int(k) and k >= 1 for k in ks):
             raise ValueError(f"Conv2D: kernel_size must be an int >= 1 or a pair of them, got "
                              f"{kernel_size!r}")
+        for arg, v, low in (("strides", strides, 1), ("padding", padding, 0),
+                            ("dilation", dilation, 1)):
+            try:                    # refused here, not at the first call
+                vals = pair(arg, v)
+            except ValueError as e:
+                raise ValueError(f"Conv2D: {e}") from None
+            if min(vals) < low:
+                raise ValueError(f"Conv2D: {arg} must be integers >= {low}, got {v!r}")
         self._kernel, self._strides, self._padding = tuple(int(k) for k in ks), strides, padding
         self._dilation, self._groups = dilation, _pos_int(groups, "groups", "Conv2D")
         if channels % groups:

@@ -13,6 +13,7 @@ Formulas (per element; ``g = rescale_grad * grad``, clipped to ±clip_gradient i
   ``w -= lr * wd * w`` (applied before the Adam step, as PyTorch).
 """
 import math
+import numbers
 import sys
 
 import numpy as np
@@ -52,19 +53,32 @@ def _owned(holder):
     return type(d) is np.ndarray and d.base is None and d.flags.writeable
 
 
+def _number(name, v):
+    """``v`` as a float; TypeError naming ``name`` when it is not a real number (a str, None,
+    a bool, an array)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{name}: expected a number, got {type(v).__name__} {v!r}")
+    return float(v)
+
+
 class Optimizer:
     """Base class. ``lr`` (learning rate), ``wd`` (weight decay), ``rescale_grad`` (set by the
     Trainer to 1 / batch_size), ``clip_gradient`` (None or a positive float).
 
     Raises:
-        ValueError: negative learning rate or weight decay.
+        TypeError: a hyper-parameter that is not a number.
+        ValueError: negative learning rate or weight decay, clip_gradient <= 0.
     """
 
     state_names = ()
 
     def __init__(self, learning_rate=0.01, wd=0.0, rescale_grad=1.0, clip_gradient=None,
                  lr=None):
-        lr = learning_rate if lr is None else lr
+        lr = _number("learning_rate", learning_rate if lr is None else lr)
+        wd = _number("wd", wd)
+        rescale_grad = _number("rescale_grad", rescale_grad)
+        if clip_gradient is not None:
+            clip_gradient = _number("clip_gradient", clip_gradient)
         if not lr >= 0 or lr == float("inf"):
             raise ValueError(f"learning_rate: expected a finite number >= 0, got {lr}")
         if not wd >= 0:
@@ -180,10 +194,26 @@ def _fast_ok(w, lr, rescale):
 
 
 class SGD(Optimizer):
-    """Stochastic gradient descent with momentum, weight decay and Nesterov momentum."""
+    """Stochastic gradient descent with momentum, weight decay and Nesterov momentum.
+
+    Per step, with ``g = rescale_grad * grad`` (clipped to ``[-clip_gradient, clip_gradient]``
+    when set) ``+ wd * w``: ``buf = momentum * buf + g`` (``buf = g`` at the first step, as
+    PyTorch's SGD), then ``w -= lr * buf``, or ``w -= lr * (g + momentum * buf)`` with
+    ``nesterov`` (Sutskever et al. 2013); without momentum ``w -= lr * g``.
+
+    Args:
+        learning_rate (float): >= 0 (alias ``lr``). momentum (float): in [0, 1].
+        wd (float): L2 weight decay >= 0. nesterov (bool): needs momentum > 0.
+        rescale_grad, clip_gradient: see :class:`Optimizer`.
+
+    Raises:
+        TypeError: a hyper-parameter that is not a number.
+        ValueError: a value out of its range; nesterov without momentum.
+    """
 
     def __init__(self, learning_rate=0.01, momentum=0.0, wd=0.0, nesterov=False, **kw):
         super().__init__(learning_rate, wd, **kw)
+        momentum = _number("momentum", momentum)
         if not 0.0 <= momentum < 1.0 + 1e-12:
             raise ValueError(f"momentum: expected in [0, 1], got {momentum}")
         if nesterov and momentum == 0:
@@ -247,16 +277,35 @@ class SGD(Optimizer):
 
 
 class Adam(Optimizer):
-    """Adam (Kingma & Ba 2015) with bias correction; ``wd`` is an L2 term added to the gradient."""
+    """Adam (Kingma & Ba 2015, Algorithm 1) with bias correction; ``wd`` is an L2 term added
+    to the gradient (AdamW decouples it).
+
+    Per step t (from 1), with ``g = rescale_grad * grad + wd * w``: ``m = beta1 m + (1 - beta1) g``,
+    ``v = beta2 v + (1 - beta2) g^2``, ``w -= lr * (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t))
+    + epsilon)``.
+
+    Args:
+        learning_rate (float): >= 0 (alias ``lr``). beta1, beta2 (float): in [0, 1).
+        epsilon (float): finite, >= 0 (as PyTorch's ``eps``). wd (float): >= 0.
+        rescale_grad, clip_gradient: see :class:`Optimizer`.
+
+    Raises:
+        TypeError: a hyper-parameter that is not a number.
+        ValueError: a value out of its range.
+    """
 
     state_names = ("mean", "var")
     decoupled = False
 
     def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, wd=0.0, **kw):
         super().__init__(learning_rate, wd, **kw)
+        beta1, beta2 = _number("beta1", beta1), _number("beta2", beta2)
+        epsilon = _number("epsilon", epsilon)
         for n, b in (("beta1", beta1), ("beta2", beta2)):
             if not 0.0 <= b < 1.0:
                 raise ValueError(f"{n}: expected in [0, 1), got {b}")
+        if not 0.0 <= epsilon < float("inf"):
+            raise ValueError(f"epsilon: expected a finite number >= 0, got {epsilon}")
         self.beta1, self.beta2, self.epsilon = float(beta1), float(beta2), float(epsilon)
 
     def step_kernel(self, w, g, st, lr, wd, t, rescale, clip, out=None, scratch=None):
@@ -318,7 +367,9 @@ class Adam(Optimizer):
 
 
 class AdamW(Adam):
-    """Adam with decoupled weight decay (Loshchilov & Hutter 2019); default wd 0.01."""
+    """Adam with decoupled weight decay (Loshchilov & Hutter 2019, Algorithm 2): ``w *= 1 - lr *
+    wd`` before the Adam step, whose gradient has no wd term; default wd 0.01. Arguments and
+    errors as :class:`Adam`."""
 
     decoupled = True
 

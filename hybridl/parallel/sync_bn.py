@@ -319,6 +319,7 @@ class SyncBatchNorm(BatchNorm):
     inside ``hl.engine.bulk`` (this layer's ops are pushed outside the bulk).
 
     Raises:
+        ValueError: num_devices not None or an integer >= 1.
         RuntimeError: the naive engine with several devices; hybridization (tracing).
         OpError (at the next sync point): a device ran the layer again before every device of
             the step did (that step's results fail, the next step starts afresh), or a step's
@@ -328,6 +329,10 @@ class SyncBatchNorm(BatchNorm):
     def __init__(self, axis=1, momentum=0.9, epsilon=1e-5, center=True, scale=True,
                  in_channels=0, num_devices=None, dtype="float32"):
         super().__init__(axis, momentum, epsilon, center, scale, in_channels, dtype)
+        if num_devices is not None and (isinstance(num_devices, bool) or not isinstance(
+                num_devices, (int, np.integer)) or num_devices < 1):
+            raise ValueError(f"SyncBatchNorm: num_devices must be None or an integer >= 1, got "
+                             f"{num_devices!r}")
         object.__setattr__(self, "_num_devices", num_devices)
         object.__setattr__(self, "_group", None)
 
