@@ -2420,3 +2420,55 @@ def test_bad_hyper_parameters_are_refused_at_construction():
         hl.compile(5)                                   # TypeError: not iterable
     with pytest.raises(TypeError, match="static_argnames: expected a name"):
         hl.jit(lambda x: x, static_argnames=5)
+
+
+def test_export_traces_the_last_call_and_takes_inputs_as_onnx_export_does(tmp_path):
+    import json
+    net = hl.models.mlp(hidden=(8,))
+    net.initialize()
+    net.hybridize()
+    for b in (4, 2, 4):                 # the last call reuses an earlier shape
+        net(nd.ones((b, 1, 8, 8)))
+    sym, _ = net.export(str(tmp_path / "p"))
+    assert json.load(open(sym))["inputs"][0]["shape"] == [4, 1, 8, 8]      # was [2, 1, 8, 8]
+    x = nd.ones((3, 1, 8, 8))
+    for i, example in enumerate(((x,), [x], (np.ones((3, 1, 8, 8), np.float32),))):
+        sym, _ = net.export(str(tmp_path / f"q{i}"), example)    # a tuple: was AttributeError
+        assert json.load(open(sym))["inputs"][0]["shape"] == [3, 1, 8, 8]
+    for bad in ("", str(tmp_path) + os.sep):                    # wrote '-symbol.json' ...
+        with pytest.raises(ValueError, match="prefix must name files"):
+            net.export(bad)
+    with pytest.raises(TypeError, match="example input 0 must be an NDArray"):
+        net.export(str(tmp_path / "r"), "x")
+
+
+def test_hybridized_call_takes_numpy_inputs_as_the_eager_call():
+    net = hl.models.mlp(hidden=(8,))
+    net.initialize()
+    x = np.random.default_rng(0).random((2, 1, 8, 8)).astype(np.float32)
+    eager = net(x).asnumpy()
+    net.hybridize()
+    np.testing.assert_array_equal(net(x).asnumpy(), eager)       # was TypeError
+    with pytest.raises(TypeError, match="inputs must be NDArrays"):
+        net("x")
+
+
+def test_frozen_conv_weight_hybridized_bias_gradient_is_eager_bits():
+    import copy
+    hl.random.seed(0)
+    net = nn.HybridSequential(nn.Conv2D(6, 3, padding=1, in_channels=2), nn.Flatten(),
+                              nn.Dense(3))
+    net.initialize()
+    x = nd.array(np.random.default_rng(0).standard_normal((4, 2, 5, 5)).astype(np.float32))
+    net(x)
+    net[0].weight.grad_req = "null"
+    hyb = copy.deepcopy(net)
+    hyb.hybridize()
+    for m in (net, hyb):
+        with ag.record():
+            loss = m(x).sum()
+        loss.backward()
+    # the frozen weight's gradient was computed (and dropped) with the bias's in one GEMM:
+    # other rounding than eager's sum, and wasted work
+    np.testing.assert_array_equal(hyb[0].bias.grad().asnumpy(), net[0].bias.grad().asnumpy())
+    assert "conv2d_grad_weight" not in hyb.last_program.backward.source

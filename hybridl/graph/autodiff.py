@@ -45,7 +45,7 @@ def gradient(graph, wrt=None):
     # hybridized inside the user's record()) some rules would take their create_graph=True
     # form (conv2d's bias gradient as a separate sum), another rounding than eager backward's
     with autograd._Scope(False, None):
-        _backward_nodes(graph, grads)
+        _backward_nodes(graph, grads, _active(graph, wrt))
     gouts = []
     for i in wrt:
         x = graph.inputs[i]
@@ -55,9 +55,23 @@ def gradient(graph, wrt=None):
     return joint, cots, list(wrt)
 
 
-def _backward_nodes(graph, grads):
+def _active(graph, wrt):
+    """Keys of the values that depend on an input in ``wrt`` (indices into graph.inputs):
+    only they need a gradient. As eager autograd's ``needs``: a frozen weight
+    (``grad_req='null'``) or the data gets no gradient computed, so a rule that then takes
+    another path (conv2d's bias gradient as a sum instead of its weight-gradient GEMM) gives
+    eager's bits, and no discarded gradient is computed."""
+    active = {graph.inputs[i].key() for i in wrt}
+    for node in graph.nodes:
+        if node.kind == "op" and any(x.key() in active for x in node.inputs):
+            active.update(o.key() for o in node.outputs())
+    return active
+
+
+def _backward_nodes(graph, grads, active=None):
     """Run the gradient rules of ``graph``'s op nodes in reverse order, adding into ``grads``
-    (symbol key -> gradient symbol; several uses of a value are summed)."""
+    (symbol key -> gradient symbol; several uses of a value are summed). ``active``: keys of
+    the values that need a gradient (None: every float non-constant value)."""
     for node in reversed(graph.nodes):
         if node.kind != "op":
             continue
@@ -65,11 +79,14 @@ def _backward_nodes(graph, grads):
         ogs = [grads.get(o.key()) for o in outs]
         if all(g is None for g in ogs) or not node.op.differentiable:
             continue
-        needs = tuple(x.dtype.kind == "f" and x.node.kind != "const" for x in node.inputs)
+        needs = tuple(x.dtype.kind == "f" and x.node.kind != "const"
+                      and (active is None or x.key() in active) for x in node.inputs)
+        if not any(needs):
+            continue
         ctx = GradCtx(node.inputs, outs, node.attrs, needs)
         igs = node.op.grad(ctx, ogs[0]) if len(outs) == 1 else node.op.grad(ctx, *ogs)
-        for x, g in zip(node.inputs, igs):
-            if g is None or x.dtype.kind != "f" or x.node.kind == "const":
+        for x, n, g in zip(node.inputs, needs, igs):
+            if g is None or not n:
                 continue
             k = x.key()
             grads[k] = g if k not in grads else M.add(grads[k], g)

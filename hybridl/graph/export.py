@@ -89,19 +89,37 @@ def _flat_outputs_only(ctx, what):
 def export(block, prefix, *example_inputs):
     """Write ``prefix-symbol.json`` and ``prefix.safetensors`` for a HybridBlock.
 
-    The block is traced in predict mode at the shapes of ``example_inputs`` or, if none are
-    given, of its last hybridized call. Returns (symbol_file, param_file). Files are written
-    to temporary names and renamed.
+    The block is traced in predict mode at the shapes of ``example_inputs`` (NDArrays, given
+    one by one or as one list/tuple, as ``hl.onnx.export`` takes them) or, if none are given,
+    of its last hybridized call. Returns (symbol_file, param_file). Files are written to
+    temporary names and renamed.
 
     Raises:
         RuntimeError: no example inputs and the block was never called hybridized.
+        ValueError: an empty prefix or one naming a folder (ending in a separator).
+        TypeError: an example input that is neither an NDArray nor a NumPy array.
     """
     from safetensors.numpy import save_file
 
+    from ..ndarray import NDArray
     from .hybrid import trace_graph
+    prefix = os.fspath(prefix)
+    if not prefix or prefix.endswith(("/", os.sep)) or not os.path.basename(prefix):
+        raise ValueError(f"export: prefix must name files (e.g. 'model' writes model-symbol.json "
+                         f"and model.safetensors), got {prefix!r}")
     args = list(example_inputs)
+    if len(args) == 1 and isinstance(args[0], (list, tuple)):
+        args = list(args[0])
+    for i, a in enumerate(args):
+        if isinstance(a, np.ndarray):
+            from .. import nd
+            args[i] = a = nd.array(a)
+        if not isinstance(a, NDArray):
+            raise TypeError(f"export: example input {i} must be an NDArray or a NumPy array "
+                            f"(pass them as net.export(prefix, x1, x2) or net.export(prefix, "
+                            f"[x1, x2])), got {type(a).__name__}")
     if not args:
-        entry = block.__dict__.get("_last_program")
+        entry = block.__dict__.get("_last_call") or block.__dict__.get("_last_program")
         if entry is None:
             raise RuntimeError("export: call the hybridized block on data once first, or pass "
                                "example inputs: net.export(prefix, x)")

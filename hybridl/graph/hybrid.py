@@ -226,8 +226,8 @@ def _signature(args):
     sig = []
     for a in args:
         if not isinstance(a, NDArray):
-            raise TypeError(f"hybridized call: inputs must be NDArrays, got {type(a).__name__} "
-                            f"(wrap data with hl.nd.array)")
+            raise TypeError(f"hybridized call: inputs must be NDArrays (or NumPy arrays), got "
+                            f"{type(a).__name__} (wrap data with hl.nd.array)")
         sig.append((tuple(a.shape), a.dtype, a.device, a._ag is not None or a._grad_req != "null"))
     if len(sig) > 1 and any(s[2] != sig[0][2] for s in sig):
         devs = ", ".join(f"input {i} on {s[2]}" for i, s in enumerate(sig))
@@ -344,7 +344,11 @@ def call_cached(block, args):
         cache.version = _trace.STRUCTURE_VERSION[0]
         object.__setattr__(block, "_hcache", cache)
         object.__setattr__(block, "_cached", cache.entries)
-    sig = _signature(args)
+    try:
+        sig = _signature(args)
+    except TypeError:
+        args = _numpy_inputs(block, args)      # as the eager call takes them, or re-raises
+        sig = _signature(args)
     entry = cache.entries.get(sig)
     if entry is not None:
         cache.hits += 1
@@ -364,7 +368,25 @@ def call_cached(block, args):
         entry.req_mask = _req_mask(entry.params)
         cache.entries[sig] = entry
         object.__setattr__(block, "_last_program", entry)
+    block.__dict__["_last_call"] = entry       # what export() traces without example inputs
     return _run(entry, args)
+
+
+def _numpy_inputs(block, args):
+    """``args`` with NumPy arrays made NDArrays (in a supported dtype, as ``hl.nd.array``),
+    on the device of the other inputs, else of the block's parameters when they live on one
+    device, else the current device: the eager call takes NumPy inputs too."""
+    import numpy as np
+
+    from .. import nd
+    from ..device import current_device
+    devs = {a.device for a in args if isinstance(a, NDArray)}
+    if not devs:
+        for p in block.collect_params().values():
+            if p._data:
+                devs.update(p._data)
+    dev = devs.pop() if len(devs) == 1 else current_device()
+    return tuple(nd.array(a, device=dev) if isinstance(a, np.ndarray) else a for a in args)
 
 
 def _req_mask(params):

@@ -322,7 +322,7 @@ class HybridBlock(Block):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for k, v in self.__dict__.items():
-            if k in ("_hcache", "_last_program"):
+            if k in ("_hcache", "_last_program", "_last_call"):
                 continue
             object.__setattr__(new, k, None if k == "_cached" else copy.deepcopy(v, memo))
         return new
