@@ -2472,3 +2472,36 @@ def test_frozen_conv_weight_hybridized_bias_gradient_is_eager_bits():
     # other rounding than eager's sum, and wasted work
     np.testing.assert_array_equal(hyb[0].bias.grad().asnumpy(), net[0].bias.grad().asnumpy())
     assert "conv2d_grad_weight" not in hyb.last_program.backward.source
+
+
+def test_train_step_with_nothing_to_train_raises_as_the_loop():
+    net = nn.Dense(2, in_units=3)
+    net.initialize()
+    tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+    for p in net.collect_params().values():
+        p.grad_req = "null"                       # frozen after the trainer was made
+    step = hl.TrainStep(net, hl.loss.SoftmaxCrossEntropyLoss(), tr)
+    with pytest.raises(ValueError, match="would train nothing"):
+        step(nd.ones((2, 3)), nd.array([0, 1]))   # returned losses, did nothing
+
+
+def test_mnist_timeout_is_checked():
+    for bad in (None, 0, -5, float("nan"), "30"):
+        with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):
+            hl.data.MNIST(root=".", timeout=bad)
+
+
+def test_symbol_file_entries_without_a_name_or_single_output_are_malformed(tmp_path):
+    import json
+    net = nn.HybridSequential(nn.Dense(2, in_units=3))
+    net.initialize()
+    sym, params = net.export(str(tmp_path / "m"), nd.ones((1, 3)))
+    doc = json.load(open(sym))
+    for mutate, what in ((lambda d: d["inputs"][0].pop("name"), "has no name"),
+                         (lambda d: d.pop("single_output"), "single_output")):
+        bad = json.loads(json.dumps(doc))
+        mutate(bad)
+        path = tmp_path / "bad-symbol.json"
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=what):       # KeyError / a tuple returned
+            nn.SymbolBlock.imports(str(path), None, params)

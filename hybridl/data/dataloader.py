@@ -164,8 +164,10 @@ class DataLoader:
     Yields:
         tuple of ``hybridl.ndarray.NDArray``, one per sample field, each of shape
         ``(batch, ...)`` (a field that is a tuple or dict in the samples is a tuple or dict of
-        NDArrays); a dict of NDArrays when the samples are dicts. For an ``ArrayDataset``
-        the dtypes are those of its arrays.
+        NDArrays); a dict of NDArrays when the samples are dicts. Each array in the dtype
+        ``hl.nd.array`` gives it: float32/float64/int32/int64/bool kept, other floats as
+        float32 and other integers as int64 (so raw uint8 images come out int64: convert
+        them to float32 in the dataset or with ``transforms.ToFloat``).
 
     Fast path: for an ``ArrayDataset`` (optionally ``.transform_first`` / ``.transform``
     with a batchable transform) a batch is one fancy-index per array, no per-sample loop.

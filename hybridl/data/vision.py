@@ -275,6 +275,10 @@ class _IDXImageDataset(ArrayDataset):
             raise ValueError(f"{type(self).__name__}: mirrors must be a non-empty list of base "
                              f"URLs when download=True, got {mirrors!r}")
         self.mirrors = mirrors
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+                or not 0 < timeout < float("inf"):
+            raise ValueError(f"{type(self).__name__}: timeout must be a number of seconds > 0 "
+                             f"(per network request), got {timeout!r}")
         self.timeout = float(timeout)
         img_res, lbl_res = self.resources["train" if train else "test"]
         if download:
@@ -436,7 +440,7 @@ class MNIST(_IDXImageDataset):
             place with ``os.replace``; on failure the temp file is removed and the next mirror
             is tried.
         mirrors: base URLs tried in order (default: the usual public mirrors).
-        timeout: per-request network timeout in seconds.
+        timeout: per-request network timeout in seconds (> 0).
 
     Samples: ``(image float32 (1, 28, 28) in [0, 1], label int32)``.
     Attributes: ``images`` float32 ``(N, 1, 28, 28)``, ``labels`` int32 ``(N,)``.
@@ -449,6 +453,8 @@ class MNIST(_IDXImageDataset):
             and how to fix it).
         DatasetError: a file is corrupt (names the file), or no mirror delivered a valid copy
             (names each URL and its error).
+        ValueError: ``timeout`` not a number of seconds > 0; an empty mirror list with
+            ``download``. TypeError: ``train`` not a bool, ``root`` not a path.
     """
 
     name = "mnist"

@@ -236,6 +236,12 @@ def load_graph_json(path):
                 if kinds.get(e["node"]) != kind:
                     bad(f"{what} entry {e.get('name')!r} refers to node {e['node']}, which is not "
                         f"an {kind} node")
+        for what in ("inputs", "params"):
+            for e in doc[what]:
+                if not isinstance(e.get("name"), str) or not e["name"]:
+                    bad(f"{what} entry {e!r} has no name")
+        if not isinstance(doc.get("single_output"), bool):
+            bad("'single_output' is missing or not true/false")
         listed_all = [e["node"] for e in doc["inputs"]] + [e["node"] for e in doc["params"]]
         listed = set(listed_all)
         if len(listed) != len(listed_all):
