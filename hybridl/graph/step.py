@@ -437,10 +437,10 @@ class TrainStep:
         n_data = 2
         wrt = [n_data + j for j, p in enumerate(params)      # frozen since: not trained
                if id(p) in index and p.dtype.kind == "f" and p.grad_req != "null"]
-        if not wrt:         # the loop's backward raises here too: nothing would be trained
-            raise ValueError("TrainStep: no parameter of the trainer that the forward uses has a "
-                             "gradient (all frozen with grad_req='null', or not used): the step "
-                             "would train nothing")
+        if not wrt:         # computing losses only (a frozen net) is allowed, but say so
+            warnings.warn("TrainStep: no parameter of the trainer that the forward uses has a "
+                          "gradient (all frozen with grad_req='null', or not used): the step "
+                          "computes the loss and trains nothing", RuntimeWarning, stacklevel=4)
         unused = [p.name for p in tr._params if all(p is not q for q in params)]
         if unused:
             warnings.warn(f"TrainStep: trainer parameters {unused} are not used by the forward "
