@@ -1,7 +1,7 @@
 """Automatic parallelism and engine overhead, side by side in one run (figures are printed, not
 asserted).
 
-    python benchmarks/parallel.py [--rounds 7] [--sizes 256,512,1024] [--ops 4000] [--json PATH]
+    python benchmarks/parallel.py [--rounds 11] [--sizes 256,512,1024] [--ops 4000] [--json PATH]
 
 1. Two independent chains of matmuls: *parallel* (chain A on cpu(0), chain B on cpu(1): two
    worker threads) vs *serial* (both chains on cpu(0): one worker, one chain after the other).
@@ -10,9 +10,6 @@ asserted).
    cores; the serial run is measured with 1 BLAS thread and with all cores, and the speedup is
    reported against both and against the best serial configuration. Target: >= 1.7x on 2
    cores against the like-for-like serial run.
-3. Multi-branch network (hl.models.inception_net) hybridized, inference: one compiled program
-   vs the program split into parallel segments (``hybridize(parallel_segments=True)``, two
-   workers per device). Target: >= 1.3x at a batch where the branches are compute-heavy.
 2. Eager per-op overhead: ``x = x + 1`` on a tiny array, N times, then ``waitall()``: NumPy by
    hand, the threaded engine without and with ``hl.engine.bulk(n)`` (consecutive ops grouped
    into one engine task), with tiny-op inlining turned off (when the engine has it: every op,
@@ -20,6 +17,9 @@ asserted).
    saves), and the naive (synchronous) engine. Microseconds per op
    (total) and microseconds per op spent in the frontend's loop (push).
 
+3. Multi-branch network (hl.models.inception_net) hybridized, inference: one compiled program
+   vs the program split into parallel segments (``hybridize(parallel_segments=True)``, two
+   workers per device). Target: >= 1.3x at a batch where the branches are compute-heavy.
 "cores busy" is the process CPU time over the wall time of a run (median): about 2 when the two
 workers really compute at once on 2 free cores; near 1 when other processes hold the cores (then
 no speedup is possible and the figures say so). It also counts OpenBLAS threads that spin-wait

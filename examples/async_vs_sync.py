@@ -1,7 +1,7 @@
 """Asynchronous computation: the frontend keeps working while the engine computes.
 
 Reproduces the experiment of d2l.ai, "Asynchronous Computation" (section 13.2): a loop of N
-iterations, each pushing one op (a matmul) *and* doing some Python work of its own in the
+iterations, each pushing two ops (``tanh(dot(x, w))``) *and* doing some Python work of its own in the
 frontend (here: a pure-Python loop). Three times are measured:
 
 * t1 — the frontend's own Python work (the loop with the ops left out);

@@ -1,4 +1,5 @@
-"""Measure this machine and reason with a roofline: which of two ops is compute-bound?
+"""Measure this machine and reason with a roofline: which of three ops (a matmul, a vector add,
+a tiny add) is compute-bound, memory-bound or overhead-bound?
 
 Run:  python examples/hardware.py      (a quick measurement, ~10 s)
 """

@@ -187,7 +187,14 @@ class SoftmaxCrossEntropyLoss(Loss):
 
 
 class L2Loss(Loss):
-    """0.5 * (pred - label)**2 averaged over non-batch axes."""
+    """0.5 * (pred - label)**2 averaged over non-batch axes.
+
+    Shapes: pred (N, ...); label pred's shape, or as many elements (reshaped to it, as
+    Gluon's reshape_like) -> (N,).
+
+    Raises:
+        ValueError: label of another size than pred.
+    """
 
     def forward(self, pred, label, sample_weight=None):
         label = self._check(pred, label, "L2Loss")
@@ -195,7 +202,7 @@ class L2Loss(Loss):
 
 
 class L1Loss(Loss):
-    """|pred - label| averaged over non-batch axes."""
+    """|pred - label| averaged over non-batch axes (shapes and errors as :class:`L2Loss`)."""
 
     def forward(self, pred, label, sample_weight=None):
         label = self._check(pred, label, "L1Loss")
@@ -207,7 +214,15 @@ class SigmoidBinaryCrossEntropyLoss(Loss):
     ``(1 - z) softplus(x) + z softplus(-x)`` (equal to ``softplus(x) - x z``) is used: each
     term is exact where it dominates (no cancellation for confident predictions), and its
     gradient is ``sigmoid(x) - z`` everywhere, also at ``x = 0`` (the form
-    ``max(x, 0) - x z + log(1 + exp(-|x|))`` differentiates max and |.| at their kinks)."""
+    ``max(x, 0) - x z + log(1 + exp(-|x|))`` differentiates max and |.| at their kinks).
+    With ``from_sigmoid=True`` pred are probabilities p and ``-(z log(p + 1e-12) + (1 - z)
+    log(1 - p + 1e-12))`` is used.
+
+    Shapes: pred (N, ...); label z in [0, 1], pred's shape or as many elements -> (N,).
+
+    Raises:
+        ValueError: label of another size than pred.
+    """
 
     def __init__(self, from_sigmoid=False, weight=None, batch_axis=0):
         super().__init__(weight, batch_axis)

@@ -94,6 +94,9 @@ class Profile:
         events (list of :class:`Event`): recorded ops, in completion order.
         t_origin (float): ``time.perf_counter()`` when recording started; trace timestamps are
             relative to it.
+
+    Raises:
+        TypeError: ``engine`` neither None nor an Engine.
     """
 
     def __init__(self, engine=None):
@@ -412,7 +415,11 @@ def _classify(row, hw):
 # ============================================================================ module helpers
 
 def profile(engine=None):
-    """A new :class:`Profile`; use as ``with hl.profiler.profile() as prof:``."""
+    """A new :class:`Profile`; use as ``with hl.profiler.profile() as prof:``.
+
+    Raises:
+        TypeError: ``engine`` neither None nor an Engine.
+    """
     return Profile(engine)
 
 

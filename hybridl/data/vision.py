@@ -121,6 +121,9 @@ class Digits(ArrayDataset):
 
     Samples: ``(image float32 (1, 8, 8) in [0, 1], label int32)``.
     Attributes: ``images`` float32 ``(N, 1, 8, 8)``, ``labels`` int32 ``(N,)``, ``classes``.
+
+    Raises:
+        TypeError: ``train`` not a bool.
     """
 
     classes = tuple(str(i) for i in range(10))

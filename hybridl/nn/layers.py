@@ -305,6 +305,12 @@ class BatchNorm(HybridBlock):
     Training mode (``autograd.record()`` or ``train_mode()``) uses batch statistics and updates
     ``running_mean``/``running_var`` (grad_req 'null', saved with the parameters):
     running = momentum * running + (1 - momentum) * batch. Predict mode uses the running ones.
+
+    Shapes: x (N, C, ...) (2-D to 5-D) with C = x.shape[axis]; parameters (C,).
+
+    Raises:
+        ValueError: at construction, axis not an int, momentum not in [0, 1], epsilon not > 0;
+            at the call, as :func:`hybridl.nd.batch_norm`.
     """
 
     def __init__(self, axis=1, momentum=0.9, epsilon=1e-5, center=True, scale=True,
@@ -369,10 +375,15 @@ class LayerNorm(HybridBlock):
 
 
 class Embedding(HybridBlock):
-    """Lookup table: indices (...) int -> (..., output_dim); weight (input_dim, output_dim).
+    """Lookup table: indices (...) -> (..., output_dim); weight (input_dim, output_dim).
 
+    Indices are integers, or floats holding them as MXNet's data iterators give (a float
+    index is truncated toward zero, as MXNet's ``Embedding`` casts it: 1.7 reads row 1).
     Indices outside [0, input_dim) are clipped into it (MXNet's ``Embedding``; PyTorch raises
-    instead): -1 reads row 0, input_dim reads the last row, and their gradients go there."""
+    instead): -1 reads row 0, input_dim reads the last row, and their gradients go there.
+
+    Raises:
+        ValueError: input_dim or output_dim not an integer >= 1."""
 
     def __init__(self, input_dim, output_dim, dtype="float32", weight_initializer=None):
         super().__init__()

@@ -882,7 +882,12 @@ def matmul(a, b):
 
 def dot(a, b):
     """``dot`` as in MXNet: for ≤ 2-D operands the matrix product; otherwise contracts the last
-    axis of ``a`` with the first axis of ``b`` (shape a.shape[:-1] + b.shape[1:])."""
+    axis of ``a`` with the first axis of ``b`` (shape a.shape[:-1] + b.shape[1:]).
+
+    Raises:
+        ValueError: the contracted dimensions differ (for ≤ 2-D operands the message is
+            :func:`matmul`'s).
+    """
     if len(a.shape) <= 2 and len(b.shape) <= 2:
         return matmul(a, b)
     if a.shape[-1] != b.shape[0]:
@@ -1350,6 +1355,10 @@ def take(a, indices, axis=0, mode="clip"):
     mode: 'clip' (indices clipped to the valid range), 'wrap', or 'raise' (error at the next
     sync point for indices outside ``[-n, n)``, n the axis size; negative ones count from the
     end, as in NumPy's ``take(mode='raise')`` and Python indexing).
+
+    Raises:
+        ValueError: an unknown mode, or axis out of range. TypeError: non-integer indices.
+        IndexError: indices taken from an empty axis.
     """
     if mode not in ("clip", "wrap", "raise"):
         raise ValueError(f"take: mode must be 'clip', 'wrap' or 'raise', got {mode!r}")
@@ -1425,7 +1434,12 @@ CONCAT = register("concat", _concat_kernel, _concat_infer, _g_concat)
 
 
 def concat(*arrays, axis=0):
-    """Join arrays along an existing axis (shapes must agree elsewhere)."""
+    """Join arrays along an existing axis (shapes must agree elsewhere); a list or tuple of
+    arrays may be given as the one argument.
+
+    Raises:
+        ValueError: no arrays, an axis out of range, or shapes that differ off the axis.
+    """
     if len(arrays) == 1 and isinstance(arrays[0], (list, tuple)):
         arrays = tuple(arrays[0])
     if not arrays:

@@ -317,6 +317,10 @@ def max_pool2d(x, kernel, stride=None, padding=0):
     """2-D max pooling, NCHW (gradient to the first maximum of each window).
 
     Shapes: (N, C, H, W) -> (N, C, (H + 2p - k) // s + 1, ...); stride defaults to kernel.
+
+    Raises:
+        ValueError: x not 4-D or not float, kernel/stride not ints >= 1, padding not in
+            [0, kernel // 2], or a kernel larger than the padded input.
     """
     k = _pair(kernel, "max_pool2d", "kernel")
     return apply(MAXPOOL, x, kernel=k, stride=_pair(stride if stride is not None else k, "max_pool2d", "stride"),
@@ -324,7 +328,12 @@ def max_pool2d(x, kernel, stride=None, padding=0):
 
 
 def avg_pool2d(x, kernel, stride=None, padding=0, count_include_pad=True):
-    """2-D average pooling, NCHW; stride defaults to kernel."""
+    """2-D average pooling, NCHW; stride defaults to kernel (shapes as :func:`max_pool2d`);
+    ``count_include_pad``: padded zeros count in each window's divisor.
+
+    Raises:
+        ValueError: as :func:`max_pool2d`.
+    """
     k = _pair(kernel, "avg_pool2d", "kernel")
     return apply(AVGPOOL, x, kernel=k, stride=_pair(stride if stride is not None else k, "avg_pool2d", "stride"),
                  padding=_pair(padding, "avg_pool2d", "padding"), count_include_pad=bool(count_include_pad))
@@ -420,6 +429,10 @@ def batch_norm(x, gamma, beta, running_mean, running_var, eps=1e-5, momentum=0.9
     Inference: normalize with the running statistics.
 
     Shapes: x (N, C, ...) with C = x.shape[axis]; gamma, beta, running_* (C,). Returns y like x.
+
+    Raises:
+        ValueError: x not 2-D to 5-D or not float, axis out of range, parameters not of shape
+            (C,), or (training) only one value per channel.
     """
     axis = norm_axis(axis, len(x.shape), "batch_norm")
     if not training:
