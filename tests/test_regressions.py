@@ -2506,3 +2506,80 @@ def test_symbol_file_entries_without_a_name_or_single_output_are_malformed(tmp_p
         path.write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=what):       # KeyError / a tuple returned
             nn.SymbolBlock.imports(str(path), None, params)
+
+
+def test_passes_keep_dtypes_of_reductions_over_a_mixed_concat():
+    x = hl.sym.var("x", shape=(2, 2))
+    y = hl.sym.var("y", shape=(1, 2), dtype="float64")
+    z = hl.sym.var("z", shape=(1, 2))
+    o1 = nd.sum(nd.concat(x, y, axis=0), axis=1)          # float64
+    o2 = nd.sum(nd.concat(x, z, axis=0), axis=1)          # float32
+    r = hl.compile([o1, o2], inputs=[x, y, z])(np.ones((2, 2), np.float32), np.ones((1, 2)),
+                                               np.ones((1, 2), np.float32))
+    assert r[1].dtype == np.float32 and r[1].asnumpy().dtype == np.float32   # data was float64
+    assert r[0].asnumpy().dtype == np.float64
+
+    def f(a, b):
+        return nd.mean(nd.concat(a, b, axis=0), axis=1)
+    a = nd.array(np.array([[3e38, 3e38]], np.float32))
+    b = nd.array(np.array([[1.0, 2.0]]))
+    np.testing.assert_array_equal(hl.jit(f)(a, b).asnumpy(), f(a, b).asnumpy())   # was inf
+
+
+def test_cse_keeps_signed_zero_attributes_apart():
+    def g(x):
+        return 1 / nd.clip(x, -0.0, 1.0), 1 / nd.clip(x, 0.0, 1.0)
+    x = nd.array([-1.0])
+    with np.errstate(divide="ignore"):
+        got = [o.asnumpy() for o in hl.jit(g)(x)]
+    assert got[0][0] == -np.inf and got[1][0] == np.inf      # CSE merged them: both -inf
+
+
+def test_jit_retraces_when_a_parameter_is_unfrozen():
+    net = nn.Dense(2, in_units=3)
+    net.initialize()
+    f = hl.jit(lambda x: net(x))
+    x = nd.array(np.random.default_rng(0).random((4, 3)).astype(np.float32))
+    net.weight.grad_req = "null"
+    with ag.record():
+        (f(x) ** 2).sum().backward()
+    net.weight.grad_req = "write"
+    with ag.record():
+        (f(x) ** 2).sum().backward()
+    got = net.weight.grad().asnumpy().copy()
+    with ag.record():
+        (net(x) ** 2).sum().backward()
+    np.testing.assert_allclose(got, net.weight.grad().asnumpy(), rtol=1e-6)   # was zeros
+    assert f.cache_info().reasons[-1] == "grad_req of parameter(s) ['weight'] changed"
+
+
+def test_ctrl_c_inside_a_bulk_group_never_leaves_outputs_without_values():
+    from hybridl import engine as E
+    ran = []
+    v1, v2 = E.Var("v1"), E.Var("v2")
+
+    def kb():
+        raise KeyboardInterrupt()
+    a = nd.array(np.arange(4.0))
+    with E.bulk(8):
+        E.push(kb, (), (v1,), hl.cpu(0), name="kb", pure=True)
+        E.push(lambda: ran.append("op2"), (), (v2,), hl.cpu(0), name="op2", pure=True)
+        b = a * 2
+    try:
+        E.wait_for(v2)      # the main thread may run the group itself and get the Ctrl-C
+    except KeyboardInterrupt:
+        pass
+    except hl.OpError:
+        pass
+    # either the members ran, or their outputs carry an error: never "done" without data
+    # (b.asnumpy() returned array(None, dtype=object))
+    try:
+        val = b.asnumpy()
+    except hl.OpError:
+        assert not ran
+    else:
+        np.testing.assert_array_equal(val, [0.0, 2.0, 4.0, 6.0])
+    try:
+        hl.waitall()
+    except hl.OpError:
+        pass

@@ -420,8 +420,20 @@ class Engine:
 
         def run_bulk():                     # returns the first error of the group (or None)
             first = None
-            for o in ops:
-                err = self._execute(o)
+            for k, o in enumerate(ops):
+                try:
+                    err = self._execute(o)
+                except KeyboardInterrupt:
+                    # Ctrl-C in a member run by the main thread: the members after it never
+                    # run, so their outputs take an error (unknown values) instead of looking
+                    # done and clean with no data
+                    cut = OpError(o.name, KeyboardInterrupt(), "interrupted (Ctrl-C) before "
+                                  "this bulk member ran\n")
+                    for later in ops[k + 1:]:
+                        for w in later.writes:
+                            if not w.keep_clean:
+                                w.exc = cut
+                    raise
                 if first is None:
                     first = err
             return first

@@ -458,14 +458,22 @@ class _JitFunction:
             bad = [k for k, v in static.items() if not _hashable(_static_key(v))]
             raise TypeError(f"{self._fn.__name__}: static argument(s) {bad} must be hashable "
                             f"(a number, string, tuple, ...): one program is kept per value") from None
+        stale = None
+        if entry is not None and sig[0][2] and entry.req_mask != _req_mask(entry.params):
+            # a parameter frozen or unfrozen since the trace (as for a hybridized block): the
+            # program would give it no gradient, or one it no longer wants
+            changed = [p.name for p, a in zip(entry.params, entry.req_mask)
+                       if (p.grad_req != "null") != a]
+            stale, entry = f"grad_req of parameter(s) {changed} changed", None
         if entry is None:
             known = list(self._cache.entries)
             same = [k[0] for k in known if k[1] == sig[1]]
-            reason = (_miss_reason(sig[0], same) if same or not known
-                      else f"static arguments {sig[1]}")
+            reason = stale or (_miss_reason(sig[0], same) if same or not known
+                               else f"static arguments {sig[1]}")
             self._cache.miss(reason, self._fn.__name__, kind=(_without_devices(sig[0]), sig[1]))
             entry = _build(self._fn, args, self._fn.__name__, self._passes,
                            [s[3] for s in sig[0][0]], static)
+            entry.req_mask = _req_mask(entry.params)
             self._cache.entries[sig] = entry
             self._last_entry = entry
         else:

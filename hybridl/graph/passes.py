@@ -50,10 +50,14 @@ def fold_constants(graph):
 
 
 def _freeze(v):
+    """A hashable key of an attribute value; floats by ``repr`` (0.0 and -0.0 differ: clip's
+    bound of -0.0 gives -inf where 0.0 gives +inf after 1/x; and NaN equals NaN)."""
     if isinstance(v, (list, tuple)):
         return tuple(_freeze(x) for x in v)
     if isinstance(v, dict):
         return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+    if isinstance(v, (float, np.floating)):
+        return ("float", repr(float(v)))
     return v
 
 
@@ -74,7 +78,10 @@ def eliminate_common_subexpressions(graph):
         ins = [canon(s) for s in ins]
         if node.op.random:
             return Node("op", node.op, ins, node.attrs, node.specs, node.name).outputs()
-        key = (node.op.name, tuple(s.key() for s in ins), _freeze(node.attrs))
+        # the output specs too: two nodes of one op on the same inputs may be labelled with
+        # other dtypes (a pass's rewrite), and merging them would mislabel one's data
+        key = (node.op.name, tuple(s.key() for s in ins), _freeze(node.attrs),
+               tuple((tuple(s), str(d)) for s, d in node.specs))
         hit = seen.get(key)
         if hit is not None:
             return hit
@@ -187,6 +194,8 @@ def _reduce_parts(node, src):
     c = src.node.attrs["axis"]
     if not isinstance(axes, tuple) or c in axes:
         return None
+    if any(x.dtype != src.dtype for x in src.node.inputs):
+        return None         # concat promotes: a part reduced in its own dtype rounds otherwise
     parts = []
     for x in src.node.inputs:
         shape = tuple((1 if keepdims else None) if i in axes else d for i, d in enumerate(x.shape))
