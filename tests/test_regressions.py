@@ -2583,3 +2583,16 @@ def test_ctrl_c_inside_a_bulk_group_never_leaves_outputs_without_values():
         hl.waitall()
     except hl.OpError:
         pass
+
+
+def test_compile_names_missing_vars_clip_refuses_array_bounds_and_empty_values_cost_nothing():
+    x, y = hl.sym.var("x", shape=(2,)), hl.sym.var("y", shape=(2,))
+    with pytest.raises(ValueError, match=r"var\(s\) \['y'\] that are not among the inputs"):
+        hl.compile(x + y, inputs=[x])                  # failed in codegen ('should not happen')
+    with pytest.raises(TypeError, match="clip: a_min must be a number"):
+        nd.clip(nd.ones((2,)), np.zeros(2), 1.0)       # NumPy's 'truth value ... ambiguous'
+    e = hl.sym.var("e", shape=(0, 3))
+    prog = hl.compile(nd.sum(nd.exp(e) + 1.0), inputs=[e])
+    plan = prog.memory_plan
+    assert plan.planned_bytes <= plan.naive_bytes       # 13 > 12: empty values took 1 byte
+    assert float(prog(np.zeros((0, 3), np.float32)).item()) == 0.0

@@ -30,7 +30,8 @@ def compile(outputs, passes=None, inputs=None, name="program"):  # noqa: A001 - 
 
     Raises:
         ValueError: an unknown pass name, ``passes`` not a list of names/functions, an output
-            that is not a Symbol, an input that is not a ``var`` or is listed twice.
+            that is not a Symbol, an input that is not a ``var`` or is listed twice, a ``var``
+            the outputs use that ``inputs`` leaves out.
     """
     if isinstance(outputs, Symbol):
         outs = [outputs]
@@ -55,4 +56,9 @@ def compile(outputs, passes=None, inputs=None, name="program"):  # noqa: A001 - 
         if s.key() in seen:
             raise ValueError(f"inputs: {s.node.name!r} is listed twice")
         seen.add(s.key())
+    missing = [n.name for n in Graph([], outs).nodes if n.kind == "input"
+               and n.out().key() not in seen]
+    if missing:
+        raise ValueError(f"inputs: the outputs depend on var(s) {missing} that are not among "
+                         f"the inputs; list every var the outputs use (or leave inputs=None)")
     return Program(Graph(inputs, outs), passes, name)

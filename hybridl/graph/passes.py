@@ -459,8 +459,9 @@ def plan_memory(graph):
     for s in graph.outputs:
         last_use[s.key()] = len(nodes)
 
-    def plannable(n):
-        return n.kind == "op" and n.op.out_ok and len(n.specs) == 1
+    def plannable(n):          # (an empty value needs no memory: its kernel makes it)
+        return (n.kind == "op" and n.op.out_ok and len(n.specs) == 1
+                and int(np.prod(n.specs[0][0])) > 0)
 
     def aliasing(n):            # not planned and may return views of its inputs
         return n.kind == "op" and not plannable(n) and not n.op.fresh

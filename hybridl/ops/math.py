@@ -7,6 +7,7 @@ ops) and go through :func:`hybridl.ops.dispatch.apply`.
 """
 import builtins
 import math
+import numbers
 
 import numpy as np
 
@@ -571,9 +572,14 @@ def clip(x, a_min=None, a_max=None):
 
     Raises:
         ValueError: both bounds are None, or a_min > a_max.
+        TypeError: a bound that is not a number (arrays are not supported).
     """
     if a_min is None and a_max is None:
         raise ValueError("clip: at least one of a_min and a_max must be given")
+    for n, v in (("a_min", a_min), ("a_max", a_max)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real)):
+            raise TypeError(f"clip: {n} must be a number or None (array bounds are not "
+                            f"supported; use maximum/minimum), got {type(v).__name__}")
     if a_min is not None and a_max is not None and a_min > a_max:
         raise ValueError(f"clip: a_min={a_min} must be <= a_max={a_max}")
     return apply(CLIP, x, a_min=None if a_min is None else float(a_min),
