@@ -2596,3 +2596,13 @@ def test_compile_names_missing_vars_clip_refuses_array_bounds_and_empty_values_c
     plan = prog.memory_plan
     assert plan.planned_bytes <= plan.naive_bytes       # 13 > 12: empty values took 1 byte
     assert float(prog(np.zeros((0, 3), np.float32)).item()) == 0.0
+
+
+def test_compiled_functions_return_a_list_when_the_code_does():
+    def f(x):
+        return [x + 1, x * 2]
+    x = nd.ones((2,))
+    got = hl.jit(f)(x)
+    assert isinstance(got, list) and isinstance(f(x), list)        # was a tuple
+    np.testing.assert_array_equal(got[1].asnumpy(), [2.0, 2.0])
+    assert isinstance(hl.jit(lambda x: (x + 1, x * 2))(x), tuple)

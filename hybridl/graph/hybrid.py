@@ -39,6 +39,7 @@ class CacheInfo(dict):
 
 class _TraceCtx:
     treedef = None                # the structure of a dict / nested result (see trace_graph)
+    as_list = False               # a flat list of arrays was returned (given back as a list)
 
     def __init__(self):
         self.params = []          # Parameters in first-use order
@@ -69,6 +70,7 @@ class _Compiled:
     """One cached entry: the forward Program (+ backward), and how to map its outputs."""
 
     treedef = None                          # set by _build for structured results
+    as_list = False                         # a flat list result (see _TraceCtx)
 
     def __init__(self, fwd, n_user, single, side_params, params, bwd=None):
         self.fwd, self.n_user, self.single = fwd, n_user, single
@@ -92,6 +94,7 @@ def trace_graph(fn, args, static=None):
     if single or (isinstance(out, (tuple, list)) and all(isinstance(o, Symbol) for o in out)):
         outs = [out] if single else list(out)
         ctx.treedef = None
+        ctx.as_list = isinstance(out, list)
     else:                                   # dicts, nested tuples, None entries: flattened
         outs = []
         ctx.treedef = _flatten_outputs(out, outs, "output")
@@ -157,6 +160,7 @@ def _build(fn, args, name, passes, want_grad_data, static=None, parallel_segment
     entry = _build_programs(inputs, outs, single, ctx, args, name, passes, want_grad_data,
                             parallel_segments)
     entry.treedef = ctx.treedef             # the structure of a dict / nested result, or None
+    entry.as_list = ctx.as_list
     return entry
 
 
@@ -332,7 +336,9 @@ def _run(entry, args):
     user = outs[:entry.n_user]
     if entry.treedef is not None:
         return _unflatten_outputs(entry.treedef, user)
-    return user[0] if entry.single else tuple(user)
+    if entry.single:
+        return user[0]
+    return list(user) if entry.as_list else tuple(user)
 
 
 def call_cached(block, args):
