@@ -24,7 +24,6 @@ error no sync point raised, e.g. in a gradient op whose update was then skipped,
 import threading
 import time
 import traceback
-from threading import get_ident as _get_ident
 
 _now = time.perf_counter
 _cpu = time.thread_time
@@ -95,7 +94,6 @@ class OpError(RuntimeError):
         self.op_name = op_name
         self.original = original
         self.reported = False       # raised to the program once (a sync point, raise_unreported)
-        self.thread = None          # ident of the thread that pushed the op (None: unknown)
         super().__init__(
             f"operator {op_name!r} failed: {type(original).__name__}: {original}\n"
             f"--- original traceback (in the engine worker) ---\n{tb_text}"
@@ -110,7 +108,7 @@ class _BulkState(threading.local):
 class _Op:
     __slots__ = ("fn", "reads", "writes", "key", "priority", "name", "pending",
                  "dependents", "done", "event", "meta", "seq", "pure", "cell", "skip_clean",
-                 "budget", "thread")
+                 "budget")
 
     def __init__(self, fn, reads, writes, key, priority, name, meta, pure=False,
                  skip_clean=False):
@@ -129,7 +127,6 @@ class _Op:
         self.cell = None            # threaded engine: [average run time, runs] of the cost key
         self.skip_clean = skip_clean    # skipped for a failed input: its writes stay clean
         self.budget = None          # BLAS threads it runs with (set at push; None: no GEMMs)
-        self.thread = _get_ident()  # the pushing thread: raise_unreported raises only its own
 
     def __lt__(self, other):            # heap order: higher priority first, then FIFO
         return (-self.priority, self.seq) < (-other.priority, other.seq)
@@ -269,7 +266,6 @@ class Engine:
                     o._data = r
         except BaseException as e:  # noqa: BLE001 - stored on the outputs as a pushed op's
             err = _op_error(name, e)
-            err.thread = _get_ident()           # run at its push, in the pushing thread
             for o in outs:
                 o._var.exc = err
             if _interrupted(e):
@@ -299,11 +295,9 @@ class Engine:
     def raise_unreported(self):
         """Raise the first error kept for ``waitall()`` that was never raised to the program
         (no sync point waited for the failed op's results: e.g. a gradient op, whose update
-        was then skipped) and whose op this thread pushed; it is marked raised, and
-        ``waitall()`` still reports it once. The Trainer calls this at every step, so that a
-        failing backward stops the training loop instead of every update being skipped in
-        silence; another thread's failed op (its own work, which it may never read) does not
-        stop this thread's loop. Does not wait for running ops.
+        was then skipped); it is marked raised, and ``waitall()`` still reports it once. The
+        Trainer calls this at every step, so that a failing backward stops the training loop
+        instead of every update being skipped in silence. Does not wait for running ops.
 
         Raises:
             OpError: that error.
@@ -311,9 +305,7 @@ class Engine:
         if not self._errors:
             return
         with self._err_lock:
-            me = _get_ident()
-            err = next((e for e in self._errors if not e.reported and e.thread in (me, None)),
-                       None)
+            err = next((e for e in self._errors if not e.reported), None)
             if err is None:
                 return
             err.reported = True
@@ -500,7 +492,6 @@ class Engine:
             # others take the error (a TrainStep that failed before any update: its loss)
             marked = getattr(e, "hybridl_failed_writes", None)
             err = _op_error(op.name, e)
-            err.thread = op.thread
             for w in op.writes if marked is None else marked:
                 if not w.keep_clean:
                     w.exc = err
