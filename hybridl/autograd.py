@@ -236,8 +236,8 @@ def _run_backward(heads, head_grads, retain_graph, create_graph, wanted=None):
                              "it inside autograd.record() from arrays that called attach_grad()")
         if hg is None:
             hg = _ones_after(h, nd)
-        elif isinstance(hg, np.ndarray):
-            hg = nd.array(hg, dtype=hg.dtype, device=h.device)
+        elif isinstance(hg, np.ndarray):      # NumPy data: taken in the head's dtype
+            hg = nd.array(hg.astype(h.dtype, copy=False), dtype=h.dtype, device=h.device)
         if not isinstance(hg, nd.NDArray):
             raise TypeError(f"backward: head gradient: expected an NDArray (one per head, or "
                             f"None), got {type(hg).__name__}")

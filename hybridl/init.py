@@ -55,8 +55,18 @@ class Xavier(Initializer):
         factor = {"avg": (fi + fo) / 2.0, "in": fi, "out": fo}[self.factor_type]
         scale = math.sqrt(self.magnitude / max(factor, 1.0))
         if self.rnd_type == "uniform":
-            return nd.random.uniform(-scale, scale, shape, dtype, device)
-        return nd.random.normal(0.0, scale, shape, dtype, device)
+            return _drawn(nd.random.uniform, -scale, scale, shape, dtype, device)
+        return _drawn(nd.random.normal, 0.0, scale, shape, dtype, device)
+
+
+def _drawn(sampler, a, b, shape, dtype, device):
+    """Random values for a parameter of ``dtype``: drawn in that float type, or for an integer
+    (or bool) parameter drawn in float32 and cast, as before the samplers took float dtypes
+    only (such parameters, e.g. counters kept with the model, mostly start at 0)."""
+    from .ops._util import as_dtype
+    if as_dtype(dtype).kind == "f":
+        return sampler(a, b, shape, dtype, device)
+    return sampler(a, b, shape, "float32", device).astype(dtype)
 
 
 class Normal(Initializer):
@@ -68,7 +78,7 @@ class Normal(Initializer):
         self.sigma = float(sigma)
 
     def __call__(self, shape, dtype, device):
-        return nd.random.normal(0.0, self.sigma, shape, dtype, device)
+        return _drawn(nd.random.normal, 0.0, self.sigma, shape, dtype, device)
 
 
 class Uniform(Initializer):
@@ -80,7 +90,7 @@ class Uniform(Initializer):
         self.scale = float(scale)
 
     def __call__(self, shape, dtype, device):
-        return nd.random.uniform(-self.scale, self.scale, shape, dtype, device)
+        return _drawn(nd.random.uniform, -self.scale, self.scale, shape, dtype, device)
 
 
 class Constant(Initializer):

@@ -175,6 +175,8 @@ class SoftmaxCrossEntropyLoss(Loss):
                     loss = F.reshape(F.softmax_cross_entropy(F.reshape(pred, (-1, k)),
                                                              F.reshape(label, (-1,))), rows)
         else:
+            if tuple(label.shape) != shape and math.prod(label.shape) == math.prod(shape):
+                label = F.reshape(label, shape)     # Gluon's reshape_like, in pred's layout
             if tuple(label.shape) == shape:
                 label = self._class_last(label)
             label = self._check(pred, label, "SoftmaxCrossEntropyLoss")

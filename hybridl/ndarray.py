@@ -668,7 +668,8 @@ def _eager(op, inputs, attrs):
                     raise TypeError(f"{op.name}: complex numbers are not supported, got {x!r}")
                 arrs[i] = _const(np.asarray(x, _scalar_dtype(x, like)), dev)
             elif isinstance(x, np.ndarray):        # in a supported dtype, as nd.array makes it
-                arrs[i] = _const(_supported(np.array(x, copy=True), f"{op.name}: input {i}"), dev)
+                arrs[i] = _const(_supported(np.array(x, copy=True), f"{op.name}: input {i}",
+                                            small_ints_32=True), dev)
             else:
                 raise TypeError(f"{op.name}: unsupported input type {type(x).__name__}; expected "
                                 f"NDArray, a number or a NumPy array")
@@ -781,14 +782,17 @@ def array(obj, dtype=None, device=None):
     return NDArray(a.shape, a.dtype, dev, a)
 
 
-def _supported(a, what):
+def _supported(a, what, small_ints_32=False):
     """NumPy array ``a`` in a dtype NDArrays support: float32/float64/int32/int64/bool kept,
-    other floats as float32, other integers as int64.
+    other floats as float32, other integers as int64 (as int32 with ``small_ints_32`` when
+    they fit it: an op's operand then promotes with an int32 array as in NumPy).
 
     Raises:
         OverflowError: uint64 values beyond int64. TypeError: not numbers (complex, str, ...)."""
     if a.dtype.kind == "f" and a.dtype not in (F32, np.float64):
         return a.astype(F32)
+    if small_ints_32 and a.dtype.kind in "iu" and a.dtype.itemsize < 4:
+        return a.astype(np.int32)       # an operand: int32 holds it and promotes as NumPy
     if a.dtype.kind in "iu" and a.dtype not in (np.int32, np.int64):
         if a.dtype == np.uint64 and a.size and int(a.max()) > np.iinfo(np.int64).max:
             raise OverflowError(f"{what}: uint64 values up to {int(a.max())} do not fit int64 "

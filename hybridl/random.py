@@ -92,11 +92,15 @@ def uniform(low=0.0, high=1.0, shape=(1,), dtype=None, device=None):
         raise ValueError(f"uniform: high={high} must be >= low={low}")
     d = _float_dtype("uniform", dtype)
 
+    below = None                # the largest value below high in d, when high is one number
+    if isinstance(high, (int, float, np.number)) and isinstance(low, (int, float, np.number)) \
+            and high > low:
+        top = d.type(high)
+        below = np.nextafter(top, d.type(-np.inf)) if top > d.type(low) else top
+
     def draw(g, s):
         r = g.uniform(low, high, s).astype(d, copy=False)
-        if high > low:
-            top = d.type(high)
-            below = np.nextafter(top, d.type(-np.inf)) if top > d.type(low) else top
+        if below is not None:
             np.minimum(r, below, out=r)
         return r
     return _random_op("uniform", shape, d, device, draw)

@@ -35,11 +35,12 @@ def compile(outputs, passes=None, inputs=None, name="program"):  # noqa: A001 - 
     """
     if isinstance(outputs, Symbol):
         outs = [outputs]
-    elif isinstance(outputs, (list, tuple)):
-        outs = list(outputs)
     else:
-        raise ValueError(f"outputs: expected a Symbol or a list of Symbols built from "
-                         f"hl.sym.var inputs, got {type(outputs).__name__}")
+        try:
+            outs = list(outputs)
+        except TypeError:
+            raise ValueError(f"outputs: expected a Symbol or a list of Symbols built from "
+                             f"hl.sym.var inputs, got {type(outputs).__name__}") from None
     for i, o in enumerate(outs):
         if not isinstance(o, Symbol):
             raise ValueError(f"outputs: expected Symbols built from hl.sym.var inputs; output {i} "

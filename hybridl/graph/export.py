@@ -104,7 +104,7 @@ def export(block, prefix, *example_inputs):
     from ..ndarray import NDArray
     from .hybrid import trace_graph
     prefix = os.fspath(prefix)
-    if not prefix or prefix.endswith(("/", os.sep)) or not os.path.basename(prefix):
+    if not prefix or prefix.endswith(("/", os.sep)) or os.path.basename(prefix) in ("", ".", ".."):
         raise ValueError(f"export: prefix must name files (e.g. 'model' writes model-symbol.json "
                          f"and model.safetensors), got {prefix!r}")
     args = list(example_inputs)

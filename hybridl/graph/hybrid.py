@@ -424,10 +424,12 @@ class _JitFunction:
         self._method = first in ("self", "cls")
         if isinstance(static_argnames, str):    # one name, as jax.jit takes it
             static_argnames = (static_argnames,)
-        elif static_argnames is not None and not isinstance(static_argnames, (list, tuple, set,
-                                                                               frozenset)):
-            raise TypeError(f"static_argnames: expected a name (str) or a sequence of names, "
-                            f"got {type(static_argnames).__name__} {static_argnames!r}")
+        elif static_argnames is not None:
+            try:
+                static_argnames = tuple(static_argnames)
+            except TypeError:
+                raise TypeError(f"static_argnames: expected a name (str) or a sequence of names, "
+                                f"got {type(static_argnames).__name__} {static_argnames!r}") from None
         self._static = tuple(static_argnames or ())
         bad = [a for a in self._static if not isinstance(a, str) or not a.isidentifier()]
         if bad:

@@ -440,11 +440,11 @@ class TrainStep:
         if not wrt:         # computing losses only (a frozen net) is allowed, but say so
             warnings.warn("TrainStep: no parameter of the trainer that the forward uses has a "
                           "gradient (all frozen with grad_req='null', or not used): the step "
-                          "computes the loss and trains nothing", RuntimeWarning, stacklevel=4)
+                          "computes the loss and trains nothing", RuntimeWarning, stacklevel=3)
         unused = [p.name for p in tr._params if all(p is not q for q in params)]
         if unused:
             warnings.warn(f"TrainStep: trainer parameters {unused} are not used by the forward "
-                          f"and are never updated", RuntimeWarning, stacklevel=4)
+                          f"and are never updated", RuntimeWarning, stacklevel=3)
         side_params, side_vals = _last_writes(ctx)
         joint, cots, wrt = gradient(Graph(inputs, [loss]), wrt)
         # the head gradient of loss.backward() is ones: a constant the passes can fold

@@ -171,7 +171,8 @@ def multiply(a, b):
 def divide(a, b):
     """Elementwise true division ``a / b`` with broadcasting (ints give float32; a Python
     integer outside an integer array's range divides as a float, as in NumPy 2)."""
-    a, b = _wide_int_as_float(a, b), _wide_int_as_float(b, a)
+    if type(b) is int or type(a) is int or is_int(a) or is_int(b):   # (cheap test first)
+        a, b = _wide_int_as_float(a, b), _wide_int_as_float(b, a)
     return apply(DIV, a, b)
 
 
@@ -545,6 +546,11 @@ def _clip_kernel(x, a_min=None, a_max=None, out=None):
         # held inside the dtype's range (a bound beyond it clips nothing on that side)
         info = np.iinfo(x.dtype) if x.dtype.kind != "b" else None
         lo, hi = (info.min, info.max) if info is not None else (0, 1)
+        # an infinite bound is beyond every integer (math.ceil(inf) would overflow)
+        if a_min is not None and math.isinf(a_min):
+            a_min = lo if a_min < 0 else hi
+        if a_max is not None and math.isinf(a_max):
+            a_max = hi if a_max > 0 else lo
         a_min = None if a_min is None else x.dtype.type(
             builtins.min(builtins.max(math.ceil(a_min), lo), hi))
         a_max = None if a_max is None else x.dtype.type(
@@ -567,6 +573,21 @@ def _g_clip(c, g):
 CLIP = register("clip", _clip_kernel, _same, _g_clip)
 
 
+def _bound(name, v):
+    """A clip bound as a Python float (None stays None): numbers, and one-element arrays
+    (a 0-d NDArray is a sync point); TypeError otherwise."""
+    if v is None or type(v) is float or type(v) is int:
+        return v
+    if not isinstance(v, bool):
+        try:
+            if getattr(v, "size", 1) == 1:
+                return float(v)
+        except (TypeError, ValueError):
+            pass
+    raise TypeError(f"clip: {name} must be a number or None (array bounds are not supported; "
+                    f"use maximum/minimum), got {type(v).__name__}")
+
+
 def clip(x, a_min=None, a_max=None):
     """Elementwise clip to [a_min, a_max] (either bound may be None).
 
@@ -576,10 +597,7 @@ def clip(x, a_min=None, a_max=None):
     """
     if a_min is None and a_max is None:
         raise ValueError("clip: at least one of a_min and a_max must be given")
-    for n, v in (("a_min", a_min), ("a_max", a_max)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real)):
-            raise TypeError(f"clip: {n} must be a number or None (array bounds are not "
-                            f"supported; use maximum/minimum), got {type(v).__name__}")
+    a_min, a_max = _bound("a_min", a_min), _bound("a_max", a_max)
     if a_min is not None and a_max is not None and a_min > a_max:
         raise ValueError(f"clip: a_min={a_min} must be <= a_max={a_max}")
     return apply(CLIP, x, a_min=None if a_min is None else float(a_min),

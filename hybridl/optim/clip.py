@@ -19,8 +19,11 @@ def clip_global_norm(arrays, max_norm, check_isfinite=True):
         hl.optim.clip_global_norm([p.grad() for p in params], 1.0)
         trainer.step(batch_size)
 
-    With parameters on several devices, pass one device's gradients after
-    ``trainer.allreduce_grads()`` and finish with ``trainer.update(batch_size)``.
+    With parameters on several devices: ``trainer.allreduce_grads()`` (every device then holds
+    the summed gradients), clip EACH device's list (``clip_global_norm([p.grad(d) for p in
+    params], max_norm)`` for every device ``d``: equal lists, so equal norms and scales), then
+    ``trainer.update(batch_size)``. Not for ``grad_req='add'`` parameters on several devices
+    (the update then reads separate reduced buffers).
 
     Args:
         arrays: a non-empty list of float NDArrays (any shapes and devices); not inside
