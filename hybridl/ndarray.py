@@ -620,6 +620,23 @@ def _const(value, device):
     return NDArray(value.shape, value.dtype, device, value)
 
 
+def _operand_like(inputs, array_types, like):
+    """The dtype a scalar operand takes (the eager and the tracing interpreters share it):
+    the first array's, or when that is a bool condition/mask, the first non-bool array's."""
+    if like is not None and like.kind == "b":
+        like = next((a.dtype for a in inputs
+                     if isinstance(a, array_types) and a.dtype.kind != "b"), like)
+    return like
+
+
+def _scalar_value(x, like, name):
+    """Scalar operand ``x`` of op ``name`` as a 0-d NumPy array of its dtype (see
+    :func:`_scalar_dtype`); TypeError for a complex number."""
+    if isinstance(x, numbers.Complex) and not isinstance(x, numbers.Real):
+        raise TypeError(f"{name}: complex numbers are not supported, got {x!r}")
+    return np.asarray(x, _scalar_dtype(x, like))
+
+
 def _scalar_dtype(value, like):
     if isinstance(value, (bool, np.bool_)):
         return like if like.kind != "b" else np.dtype(bool)
@@ -657,16 +674,12 @@ def _eager(op, inputs, attrs):
             mixed = True
             arrs.append(x)
     if mixed:                              # scalars / NumPy arrays become constants
-        if like is not None and like.kind == "b":   # a scalar takes the dtype of the first
-            like = next((a.dtype for a in arrs      # array that is not a condition/mask
-                         if isinstance(a, NDArray) and a.dtype.kind != "b"), like)
+        like = _operand_like(arrs, NDArray, like)
         for i, x in enumerate(arrs):
             if isinstance(x, NDArray):
                 continue
             if isinstance(x, (numbers.Number, np.number, np.bool_)):
-                if isinstance(x, numbers.Complex) and not isinstance(x, numbers.Real):
-                    raise TypeError(f"{op.name}: complex numbers are not supported, got {x!r}")
-                arrs[i] = _const(np.asarray(x, _scalar_dtype(x, like)), dev)
+                arrs[i] = _const(_scalar_value(x, like, op.name), dev)
             elif isinstance(x, np.ndarray):        # in a supported dtype, as nd.array makes it
                 arrs[i] = _const(_supported(np.array(x, copy=True), f"{op.name}: input {i}",
                                             small_ints_32=True), dev)

@@ -2649,3 +2649,16 @@ def test_review_fixes_of_this_sessions_changes(tmp_path):
     assert isinstance(hl.compile(o for o in [s + 1]), hl.graph.program.Program)
     f = hl.jit(lambda v, n=1: v * n, static_argnames={"n": 0}.keys())
     np.testing.assert_array_equal(f(nd.ones(2), n=3).asnumpy(), [3.0, 3.0])
+
+
+def test_scalar_and_numpy_operands_take_the_same_dtypes_eager_and_traced():
+    c, x = nd.array([True, False]), nd.array([1, 2], dtype="int32")
+    cases = [(lambda c, x: nd.where(c, x, 1), (c, x)),
+             (lambda c, x: x + np.ones(2, np.uint8), (c, x)),
+             (lambda c, x: x * np.float16(2.0), (c, x))]
+    for f, args in cases:
+        eager, traced = f(*args), hl.jit(f)(*args)
+        assert eager.dtype == traced.dtype                  # where: int32 eager, int64 traced
+        np.testing.assert_array_equal(eager.asnumpy(), traced.asnumpy())
+    with pytest.raises(TypeError, match="complex numbers are not supported"):
+        hl.jit(lambda v: v * 1j)(nd.ones(2))

@@ -281,8 +281,9 @@ def const(value, dtype=None):
 
 def _symbolic(op, inputs, attrs):
     """The tracing interpreter: add a node, return its output Symbol(s)."""
-    from ..ndarray import NDArray, _scalar_dtype
-    like = next((x.dtype for x in inputs if isinstance(x, (Symbol, NDArray))), None)
+    from ..ndarray import NDArray, _operand_like, _scalar_value, _supported
+    like = _operand_like(inputs, (Symbol, NDArray),
+                         next((x.dtype for x in inputs if isinstance(x, (Symbol, NDArray))), None))
     syms = []
     for x in inputs:
         if isinstance(x, Symbol):
@@ -297,10 +298,10 @@ def _symbolic(op, inputs, attrs):
                     f"{_user_site()}; a compiled program takes it as a constant, so no gradient "
                     f"would reach it: pass it as an argument, or make it a Parameter")
             syms.append(const(x.asnumpy()))
-        elif isinstance(x, (numbers.Number, np.number, np.bool_)):
-            syms.append(const(np.asarray(x, _scalar_dtype(x, like))))
+        elif isinstance(x, (numbers.Number, np.number, np.bool_)):   # as eager (ndarray._eager)
+            syms.append(const(_scalar_value(x, like, op.name)))
         elif isinstance(x, np.ndarray):
-            syms.append(const(x))
+            syms.append(const(_supported(x, f"{op.name}: input {len(syms)}", small_ints_32=True)))
         else:
             raise TypeError(f"{op.name}: unsupported input type {type(x).__name__}")
     specs = op.infer(*syms, **attrs)
