@@ -2662,3 +2662,15 @@ def test_scalar_and_numpy_operands_take_the_same_dtypes_eager_and_traced():
         np.testing.assert_array_equal(eager.asnumpy(), traced.asnumpy())
     with pytest.raises(TypeError, match="complex numbers are not supported"):
         hl.jit(lambda v: v * 1j)(nd.ones(2))
+
+
+def test_retracing_the_same_signature_again_and_again_still_warns():
+    # every call retraces (some structure change clears the cache): warned after 9 before the
+    # per-device counting, then never
+    net = nn.HybridSequential(nn.Dense(2, in_units=3))
+    net.initialize()
+    net.hybridize()
+    with pytest.warns(RuntimeWarning, match="retraced 9 times"):
+        for _ in range(9):
+            nn.Sequential().add(nn.Dense(1))        # a new child anywhere clears the caches
+            net(nd.ones((2, 3)))

@@ -278,6 +278,8 @@ class _Cache:
         self.warned = False
         self.version = -1
         self.kinds = set()      # signatures less their devices (see miss)
+        self.seen = set()       # full signatures ever traced (a repeat counts: see miss)
+        self.counted = 0        # misses that count towards the retrace warning
 
     def info(self):
         return CacheInfo(hits=self.hits, misses=self.misses, reasons=list(self.reasons),
@@ -289,20 +291,25 @@ class _Cache:
             self.hits += 1
             return e
         self.miss(_miss_reason(sig, list(self.entries)), owner, stacklevel=5,
-                  kind=_without_devices(sig))
+                  kind=_without_devices(sig), full=sig)
         return None
 
-    def miss(self, reason, owner, stacklevel=3, kind=None):
+    def miss(self, reason, owner, stacklevel=3, kind=None, full=None):
         """Count a miss with its reason; warn once after more than RETRACE_WARN of them.
-        ``kind``: the signature less its devices; when given, only misses of new kinds count
-        towards the warning (each device of a data-parallel step has its own program: that is
-        no retracing to warn about)."""
+        ``kind``: the signature less its devices, ``full``: the signature. A miss that only
+        adds a device to a kind already traced does not count towards the warning (each device
+        of a data-parallel step has its own program: no retracing to warn about); a new kind
+        counts, and so does a signature traced again (the cache was cleared)."""
         self.misses += 1
         self.reasons.append(reason)
+        count = True
         if kind is not None:
+            count = kind not in self.kinds or (full is not None and full in self.seen)
             self.kinds.add(kind)
-        many = len(self.kinds) if self.kinds else self.misses
-        if many > RETRACE_WARN and not self.warned:
+            if full is not None:
+                self.seen.add(full)
+        self.counted += count
+        if self.counted > RETRACE_WARN and not self.warned:
             self.warned = True
             warnings.warn(f"{owner} was retraced {self.misses} times; last reasons: "
                           f"{self.reasons[-3:]}. Keep input shapes fixed (e.g. last_batch="
@@ -478,7 +485,8 @@ class _JitFunction:
             same = [k[0] for k in known if k[1] == sig[1]]
             reason = stale or (_miss_reason(sig[0], same) if same or not known
                                else f"static arguments {sig[1]}")
-            self._cache.miss(reason, self._fn.__name__, kind=(_without_devices(sig[0]), sig[1]))
+            self._cache.miss(reason, self._fn.__name__, kind=(_without_devices(sig[0]), sig[1]),
+                             full=sig)
             entry = _build(self._fn, args, self._fn.__name__, self._passes,
                            [s[3] for s in sig[0][0]], static)
             entry.req_mask = _req_mask(entry.params)

@@ -516,7 +516,7 @@ class TrainStep:
         e = cache.entries.get(sig)
         if e is None:
             cache.miss(_step_miss_reason(sig, list(cache.entries)), "TrainStep", stacklevel=3,
-                       kind=(sig[0][:2],) + sig[1:])
+                       kind=(sig[0][:2],) + sig[1:], full=sig)
             e = self._build(data, label)
             cache.entries[sig] = e
             self._last = e
