@@ -674,12 +674,16 @@ def _eager(op, inputs, attrs):
             mixed = True
             arrs.append(x)
     if mixed:                              # scalars / NumPy arrays become constants
-        like = _operand_like(arrs, NDArray, like)
+        if like is not None and like.kind == "b":
+            like = _operand_like(arrs, NDArray, like)
         for i, x in enumerate(arrs):
             if isinstance(x, NDArray):
                 continue
             if isinstance(x, (numbers.Number, np.number, np.bool_)):
-                arrs[i] = _const(_scalar_value(x, like, op.name), dev)
+                if type(x) is float or type(x) is int:          # (the common case, inline)
+                    arrs[i] = _const(np.asarray(x, _scalar_dtype(x, like)), dev)
+                else:
+                    arrs[i] = _const(_scalar_value(x, like, op.name), dev)
             elif isinstance(x, np.ndarray):        # in a supported dtype, as nd.array makes it
                 arrs[i] = _const(_supported(np.array(x, copy=True), f"{op.name}: input {i}",
                                             small_ints_32=True), dev)

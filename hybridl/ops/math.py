@@ -171,19 +171,28 @@ def multiply(a, b):
 def divide(a, b):
     """Elementwise true division ``a / b`` with broadcasting (ints give float32; a Python
     integer outside an integer array's range divides as a float, as in NumPy 2)."""
-    if type(b) is int or type(a) is int or is_int(a) or is_int(b):   # (cheap test first)
-        a, b = _wide_int_as_float(a, b), _wide_int_as_float(b, a)
+    if type(b) is int or type(a) is int or is_int(a) or is_int(b):   # (cheap tests first)
+        ka = getattr(getattr(a, "dtype", None), "kind", None)
+        kb = getattr(getattr(b, "dtype", None), "kind", None)
+        if ka in ("i", "u") or kb in ("i", "u"):
+            a, b = _wide_int_as_float(a, b), _wide_int_as_float(b, a)
     return apply(DIV, a, b)
 
 
 def _wide_int_as_float(v, other):
     """``v`` as a float when it is an integer scalar outside the range of ``other``'s integer
     dtype (the quotient is a float anyway; as the array's dtype it would overflow)."""
-    if is_int(v) and getattr(getattr(other, "dtype", None), "kind", None) in ("i", "u"):
-        info = np.iinfo(other.dtype)
-        if not info.min <= int(v) <= info.max:
-            return float(v)
+    if is_int(v):
+        dt = getattr(other, "dtype", None)
+        if getattr(dt, "kind", None) in ("i", "u"):
+            lo, hi = _INT_RANGE.get(dt) or _INT_RANGE.setdefault(
+                dt, (int(np.iinfo(dt).min), int(np.iinfo(dt).max)))
+            if not lo <= int(v) <= hi:
+                return float(v)
     return v
+
+
+_INT_RANGE = {}     # integer dtype -> (min, max): np.iinfo costs ~2 us a call
 
 
 def power(a, b):
