@@ -217,6 +217,8 @@ def test_hybridized_block_called_from_two_threads_gives_right_values():
         eng.shutdown()
 
 
+@pytest.mark.skipif(os.environ.get("HYBRIDL_ENGINE", "threaded") == "naive",
+                    reason="holds an op back until later: the naive engine runs it at its push")
 @pytest.mark.parametrize("how", ["setitem_full", "setitem_part", "iadd"])
 def test_numpy_values_are_copied_at_the_call(how):
     """x[:] = a, x[i:j] = a and x += a copy the caller's NumPy array at the call: the op may run
