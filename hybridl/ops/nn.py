@@ -162,10 +162,7 @@ def softmax_cross_entropy(logits, labels):
 
 def _pair(v, name, arg, check=pair):
     """``check(arg, v)`` (the kernels' argument check) with the op ``name`` in its error."""
-    try:
-        return check(arg, v)
-    except ValueError as e:
-        raise ValueError(f"{name}: {e}") from None
+    return _named(name, check, arg, v)
 
 
 def _conv_infer(x, w, *b, stride, padding, dilation, groups, act=None):
