@@ -583,6 +583,88 @@ def test_inline_op_error_is_stored_not_raised():
         e.shutdown()
 
 
+def _busy(seconds):
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < seconds:
+        pass
+
+
+def test_ops_whose_gemms_fill_every_core_run_in_the_pusher():
+    """An op whose timed run started a GEMM on a BLAS pool covering every core runs in the
+    pushing thread once that is learned (its first run is the lesson); the same op on a
+    smaller pool (a pinned budget below the core count) goes to the worker again. The pushes
+    here are not waited for at once (no synchronous loop): without the rule the worker would
+    run every one."""
+    from hybridl.ops import _blas
+    e = ThreadedEngine()
+    me = threading.current_thread().name
+    try:
+        v = Var("v")
+        log, in_push = [], [False]
+
+        def op():
+            _blas.for_gemm()                # what a GEMM kernel calls first
+            log.append(in_push[0] and threading.current_thread().name == me)
+            _busy(3e-4)                     # not tiny (inline_s is 100 us)
+
+        def push_and_wait():
+            in_push[0] = True
+            try:
+                e.push(op, [v], [v], DEVS[0], name="gemm-op", pure=True)
+            finally:
+                in_push[0] = False
+            time.sleep(0.01)                # the worker takes it meanwhile, unless run here
+            e.waitall()
+
+        for _ in range(4):
+            push_and_wait()
+        full = _blas.budget() >= _blas._CORES
+        assert log[1:] == [full] * 3        # (a process limited below its cores: never)
+        if _blas._CORES < 2:
+            return                          # one core: every pool covers it
+        log.clear()
+        with hl.engine.blas_threads(1):
+            for _ in range(12):
+                push_and_wait()
+        # the first push still ran here (learned on a full pool); the next timed run (one in
+        # 8) taught that the op now leaves cores free: later pushes go to the worker
+        assert log[0] == full and not any(log[-3:])
+    finally:
+        e.shutdown()
+
+
+def test_a_push_that_wakes_an_idle_worker_returns_once_it_took_the_op(monkeypatch):
+    """The pusher hands the GIL to the worker it woke: when ``push`` returns, the worker has
+    taken the op (it is running or done), rather than starting after the frontend's burst of
+    Python code. Results and order are unchanged (the ops here count their own order)."""
+    from hybridl.engine import threaded as T
+    monkeypatch.setattr(T, "_HANDOFF_S", 30.0)   # a broken hand-over hangs, not passes late
+    e = ThreadedEngine()
+    try:
+        v = Var("v")
+        order = []
+
+        def op(k):
+            order.append(k)
+            _busy(3e-4)                     # not tiny, no GEMM: a worker's op
+
+        e.push(lambda: None, [], [Var()], DEVS[0], name="start")     # starts the worker
+        for k in range(6):
+            e.waitall()
+            time.sleep(0.005)               # the worker is asleep again
+            e.push(lambda k=k: op(k), [v], [v], DEVS[0], name="cpu-op", pure=True)
+            q = e._queues[DEVS[0]]
+            with e._lock:
+                taken = not q.heap          # popped by the worker (busy or finished)
+            assert taken, k
+            _busy(1e-3)                     # frontend work while the op runs
+        e.waitall()
+        assert order == list(range(6))
+        assert q.ack is None                # no hand-over left pending
+    finally:
+        e.shutdown()
+
+
 def test_sync_loop_ops_run_in_the_pusher_until_the_program_overlaps_again():
     """An op waited for right after its push, before the worker woke up (here: the worker is
     never woken by pushes, so the waiter always finds it queued), twice in a row, runs in the
@@ -596,8 +678,9 @@ def test_sync_loop_ops_run_in_the_pusher_until_the_program_overlaps_again():
         log = []
 
         def step():
-            log.append((threading.current_thread().name, in_push[0]))
-            t0 = time.thread_time()
+            name = threading.current_thread().name
+            log.append((name, in_push[0] and name == me))   # (a push waits for the worker
+            t0 = time.thread_time()                         # to take an op it woke up for)
             while time.thread_time() - t0 < 2e-4:      # 0.2 ms of CPU: not tiny
                 pass
 

@@ -124,7 +124,7 @@ class _Op:
         self.done = False
         self.event = None
         self.pure = pure
-        self.cell = None            # threaded engine: [average run time, runs] of the cost key
+        self.cell = None            # threaded engine: the cost cell of the op's key (ThreadedEngine)
         self.skip_clean = skip_clean    # skipped for a failed input: its writes stay clean
         self.budget = None          # BLAS threads it runs with (set at push; None: no GEMMs)
 
@@ -460,11 +460,14 @@ class Engine:
             prof = self.profiler
             t0 = _now() if prof is not None else 0.0
             cell = op.cell
-            c0 = _cpu() if cell is not None else 0.0
+            if cell is not None:
+                w0 = _blas_module().wide_gemms()
+                c0 = _cpu()
             err = op.fn()
             if cell is not None:              # every run timed: a group is worth the ~1 us
                 _learn(cell, _cpu() - c0)
                 cell[1] += 1
+                cell[4] = _blas_module().wide_gemms() != w0
             if prof is not None:
                 prof.record(op.name, op.key, threading.current_thread().name, t0, _now(), None)
             return err
@@ -483,7 +486,9 @@ class Engine:
             if runs & 7 and cell[0] is not None:
                 cell = None                 # not timed this time
         t0 = _now() if prof is not None else 0.0
-        c0 = _cpu() if cell is not None else 0.0
+        if cell is not None:
+            w0 = _blas_module().wide_gemms()
+            c0 = _cpu()
         try:
             op.fn()
         except BaseException as e:  # noqa: BLE001 - a user error must never kill a worker
@@ -503,6 +508,7 @@ class Engine:
             return err
         if cell is not None:
             _learn(cell, _cpu() - c0)
+            cell[4] = _blas_module().wide_gemms() != w0
         for w in op.writes:
             w.exc = None
         if prof is not None:

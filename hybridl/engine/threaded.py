@@ -12,6 +12,7 @@ import itertools
 import os
 import sys
 import threading
+from _thread import allocate_lock as _allocate_lock
 
 from .base import _GROUP_META, Engine, OpError, _blas_module, _Op
 
@@ -33,6 +34,13 @@ _PY_DEFAULT_INTERVAL = 0.005
 _SYNC_STREAK = 2
 _SYNC_PROBE = 16
 _SWITCH_INTERVAL = 0.0005
+
+# A worker woken for an op pushed by the frontend needs the GIL to start it, and the frontend,
+# running Python, holds it: the worker would get it only after a GIL time slice (0.5 ms, more
+# with timer slack), so an op pushed at the start of a burst of eager code started after the
+# burst. The pusher instead waits (GIL released) until the worker has taken the op, at most
+# _HANDOFF_S seconds: tens of microseconds, once per wake-up of an idle worker.
+_HANDOFF_S = 0.002
 
 
 def _env_switch_interval():
@@ -74,7 +82,7 @@ def _set_switch_interval():
 
 
 class _Queue:
-    __slots__ = ("heap", "cond", "threads", "sleeping", "busy")
+    __slots__ = ("heap", "cond", "threads", "sleeping", "busy", "ack")
 
     def __init__(self, lock):
         self.heap = []
@@ -82,6 +90,7 @@ class _Queue:
         self.threads = []
         self.sleeping = 0           # workers waiting on cond (notify only when > 0)
         self.busy = 0               # ops of this device running (in workers or inline)
+        self.ack = None             # a held lock the pusher waits on until an op is taken
 
 
 class ThreadedEngine(Engine):
@@ -104,6 +113,21 @@ class ThreadedEngine(Engine):
     after its first op. A loop such as
     ``loss = step(x, y); print(loss.item())`` then pays no hand-over to a worker and back
     (tens of microseconds on a small VM) for an overlap it never uses.
+
+    Ops that fill the machine: an op whose last timed run started a GEMM on a BLAS pool
+    covering every core (one device with the default budget, see
+    :meth:`~hybridl.engine.base.Engine.blas_budget`) runs in the pushing thread too when its
+    device is idle. Run on the worker beside the frontend's Python it gains nothing and loses
+    time: the frontend takes a core from the BLAS threads, and OpenBLAS's static split of the
+    product waits for the thread that lost it (MLP 784-256-128-10, batch 256, 2 cores: the
+    first GEMM 474 -> 685 us beside a 150 us burst of frontend code; the eager training step
+    ~20% faster inline, ``benchmarks/train_step.py``). With several devices (or workers) each
+    GEMM gets fewer threads, and these ops stay asynchronous.
+
+    Hand-over: a push that wakes an idle worker waits (GIL released) until that worker has
+    taken the op, at most 2 ms. Otherwise the worker, needing the GIL for a moment to start the
+    op, would get it only when the frontend blocks or after a GIL time slice (0.5 ms plus the
+    timer slack), which is after the frontend's whole burst of pushes: no overlap at all.
 
     When its first workers start, the interpreter's GIL time slice is shortened from Python's
     default 5 ms to 0.5 ms (``sys.setswitchinterval``; not when the program set its own, and
@@ -142,7 +166,8 @@ class ThreadedEngine(Engine):
         self._seq = itertools.count()
         self._stopping = False
         self._worker_ids = set()
-        # cost key -> [average run time (s) or None, runs, sync streak, sync-inline pushes]
+        # cost key -> [average run time (s) or None, runs, sync streak, sync-inline pushes,
+        # whether its last timed run started a GEMM on every core (see wide_gemms)]
         self._cost = {}
         self._fresh = None             # the last op pushed, not waited for yet ...
         self._fresh_inline = False     # ... and whether it ran in the pusher for a sync loop
@@ -154,12 +179,16 @@ class ThreadedEngine(Engine):
         self._want = {}                # budget -> workers waiting to start an op with it
         self._mode_cv = threading.Condition(self._lock)
         self._gating = False           # the budget has changed once: run_ready takes the lock
+        self._wide = True              # the budget covers every core (see _budget_changed)
 
     # ------------------------------------------------------------------ BLAS budget
     def _workers_per_key(self):
         return self.num_workers
 
     def _budget_changed(self, budget):
+        # a push's GEMMs can fill the machine only with every core in the budget (a second
+        # device halves it: its ops go back to the workers at once, not at their next timing)
+        self._wide = budget >= _blas_module().cores()
         if self._budget is not None and budget != self._budget:
             self._gating = True
         self._budget = budget
@@ -203,7 +232,7 @@ class ThreadedEngine(Engine):
             if cell is None:
                 if len(cost) >= 4096:                # very many shapes: forget, re-learn
                     cost.clear()
-                cell = cost[key] = [None, 0, 0, 0]
+                cell = cost[key] = [None, 0, 0, 0, False]
             op.cell = cell
         writes = op.writes
         with self._lock:
@@ -250,8 +279,8 @@ class ThreadedEngine(Engine):
                 if type(key) is tuple and key[0] == "bulk":
                     bound *= key[1]           # a group: inline when its members would be
                 tiny = c is not None and c < bound
-                inline = tiny
-                if not tiny and cell[2] >= _SYNC_STREAK and bound > 0:
+                inline = tiny or (cell[4] and bound > 0 and self._wide)
+                if not inline and cell[2] >= _SYNC_STREAK and bound > 0:
                     # waited for at once, the last times: run it here, except every
                     # _SYNC_PROBE-th push, which goes to the worker to look again
                     cell[3] += 1
@@ -260,15 +289,18 @@ class ThreadedEngine(Engine):
                     q = self._queues.get(op.key)
                     if q is not None and not q.busy and not q.heap and self._start_ok(op.budget):
                         q.busy += 1          # the device counts as busy while we run it here
-                        if not tiny:          # inline for the loop: until it waits for it
+                        if not (tiny or cell[4]):   # inline for the loop: until it waits
                             self._fresh, self._fresh_inline = op, True
                     else:
                         q = None
             if q is None:
-                self._enqueue(op)
+                ack = self._enqueue(op, handoff=pure is not False)
                 if pure and self.inline_s > 0:   # until the next push or a wait for it
                     self._fresh, self._fresh_inline = op, False
-                return
+        if q is None:
+            if ack is not None:
+                ack.acquire(True, _HANDOFF_S)
+            return
         self._run_here(op, q)
 
     def run_ready(self, kernel, arrays, outs, attrs, device, cost_key, name):
@@ -324,7 +356,11 @@ class ThreadedEngine(Engine):
                 self._ended(op.budget)
                 self._finish(op)
 
-    def _enqueue(self, op):                 # lock held
+    def _enqueue(self, op, handoff=False):  # lock held
+        """Queue ``op`` (ready) on its device's heap, waking a sleeping worker. With
+        ``handoff`` (a push by the frontend) and a worker woken for it, returns a held lock
+        that the worker releases once it has taken an op: the pusher, waiting on it, gives
+        the worker the GIL at once instead of after a GIL time slice (see _HANDOFF_S)."""
         q = self._queues.get(op.key)
         if q is None and self._stopping:    # released by a cancelled op: cancelled in turn
             q = self._queues[op.key] = _Queue(self._lock)
@@ -340,6 +376,11 @@ class ThreadedEngine(Engine):
         heapq.heappush(q.heap, op)
         if q.sleeping:                      # an awake worker looks at the heap before sleeping
             q.cond.notify()
+            if handoff and q.ack is None and not q.busy and len(q.heap) == 1:
+                ack = q.ack = _allocate_lock()
+                ack.acquire()
+                return ack
+        return None
 
     def _worker(self, q):
         try:
@@ -370,6 +411,9 @@ class ThreadedEngine(Engine):
                     return
                 op = heapq.heappop(q.heap)
                 q.busy += 1
+                if q.ack is not None:
+                    q.ack.release()
+                    q.ack = None
                 while not self._start_ok(op.budget):    # ops of another budget are running
                     want = self._want
                     want[op.budget] = want.get(op.budget, 0) + 1
@@ -426,6 +470,9 @@ class ThreadedEngine(Engine):
         if not self._start_ok(head.budget):
             return None
         q.busy += 1
+        if q.ack is not None:
+            q.ack.release()
+            q.ack = None
         return heapq.heappop(q.heap)
 
     def _waited_done(self, op):

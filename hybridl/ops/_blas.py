@@ -104,13 +104,27 @@ def _direct_setter(lib):
 
 def for_gemm():
     """Make the BLAS pool size equal to the budget before a GEMM (the count does not depend on
-    the product's shape, see above)."""
+    the product's shape, see above), and count it in :func:`wide_gemms` when that pool covers
+    every core."""
     want = _state["max"]
     if want != _state["cur"]:
         ctl = _controller()
         if ctl is not None:
             ctl.set_num_threads(want)
         _state["cur"] = want
+    if want >= _CORES:
+        _tls.wide = getattr(_tls, "wide", 0) + 1
+
+
+_CORES = _state["max"]          # cores() when the process started
+_tls = threading.local()
+
+
+def wide_gemms():
+    """How many GEMMs the calling thread has started on a BLAS pool covering every core (the
+    engine compares it before and after an op: such an op leaves no core for other work, see
+    :class:`hybridl.engine.threaded.ThreadedEngine`)."""
+    return getattr(_tls, "wide", 0)
 
 
 _KIND = {"f": "s", "d": "d"}
