@@ -589,48 +589,67 @@ def _busy(seconds):
         pass
 
 
-def test_ops_whose_gemms_fill_every_core_run_in_the_pusher():
-    """An op whose timed run started a GEMM on a BLAS pool covering every core runs in the
-    pushing thread once that is learned (its first run is the lesson); the same op on a
-    smaller pool (a pinned budget below the core count) goes to the worker again. The pushes
-    here are not waited for at once (no synchronous loop): without the rule the worker would
-    run every one."""
+_WIDE_SCRIPT = textwrap.dedent("""
+    import threading, time
+    from hybridl.engine import ThreadedEngine, Var
     from hybridl.ops import _blas
+    import hybridl as hl
     e = ThreadedEngine()
     me = threading.current_thread().name
-    try:
-        v = Var("v")
-        log, in_push = [], [False]
+    v = Var("v")
+    log, in_push = [], [False]
 
-        def op():
-            _blas.for_gemm()                # what a GEMM kernel calls first
-            log.append(in_push[0] and threading.current_thread().name == me)
-            _busy(3e-4)                     # not tiny (inline_s is 100 us)
+    def op():
+        _blas.for_gemm()                    # what a GEMM kernel calls first
+        log.append(in_push[0] and threading.current_thread().name == me)
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 3e-4:   # not tiny (inline_s is 100 us)
+            pass
 
-        def push_and_wait():
-            in_push[0] = True
-            try:
-                e.push(op, [v], [v], DEVS[0], name="gemm-op", pure=True)
-            finally:
-                in_push[0] = False
-            time.sleep(0.01)                # the worker takes it meanwhile, unless run here
-            e.waitall()
+    def push_and_wait(dev):
+        in_push[0] = True
+        try:
+            e.push(op, [v], [v], dev, name="gemm-op", pure=True)
+        finally:
+            in_push[0] = False
+        time.sleep(0.01)                    # the worker takes it meanwhile, unless run here
+        e.waitall()
 
-        for _ in range(4):
-            push_and_wait()
-        full = _blas.budget() >= _blas._CORES
-        assert log[1:] == [full] * 3        # (a process limited below its cores: never)
-        if _blas._CORES < 2:
-            return                          # one core: every pool covers it
+    def phase(n, dev=hl.cpu(0)):
         log.clear()
-        with hl.engine.blas_threads(1):
-            for _ in range(12):
-                push_and_wait()
-        # the first push still ran here (learned on a full pool); the next timed run (one in
-        # 8) taught that the op now leaves cores free: later pushes go to the worker
-        assert log[0] == full and not any(log[-3:])
-    finally:
-        e.shutdown()
+        for _ in range(n):
+            push_and_wait(dev)
+        print("".join("P" if f else "w" for f in log))
+
+    phase(4)                                # one device, default budget: every core
+    with hl.engine.blas_threads(1):         # a smaller pool: learned at the next timed run
+        phase(12)
+    phase(9)                                # back to every core
+    e.push(lambda: None, [], [Var()], hl.cpu(1), name="start")   # a second device: the
+    e.waitall()                             # budget halves, for every later push
+    phase(4)
+    print(_blas._CORES)
+    e.shutdown()
+""")
+
+
+def test_ops_whose_gemms_fill_every_core_run_in_the_pusher():
+    """An op whose timed run started a GEMM on a BLAS pool covering every core runs in the
+    pushing thread once that is learned (its first run is the lesson); on a smaller pool (a
+    pinned budget: learned at the next timed run, one in 8; a second device: at once) it goes
+    to the worker again. The pushes are not waited for at once (no synchronous loop): without
+    the rule the worker would run every one. In a fresh process: the budget depends on the
+    devices the process has used."""
+    r = subprocess.run([sys.executable, "-c", _WIDE_SCRIPT], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    one, pinned, back, two, cores = r.stdout.split()
+    if int(cores) < 2:
+        pytest.skip("one core: every BLAS pool covers the machine")
+    assert one[1:] == "PPP"                 # (the first run, the lesson, ran anywhere)
+    assert pinned[0] == "P" and pinned[-3:] == "www"
+    assert back[-3:] == "PPP"
+    assert two == "wwww"
 
 
 def test_a_push_that_wakes_an_idle_worker_returns_once_it_took_the_op(monkeypatch):
