@@ -279,7 +279,8 @@ class ThreadedEngine(Engine):
                 if type(key) is tuple and key[0] == "bulk":
                     bound *= key[1]           # a group: inline when its members would be
                 tiny = c is not None and c < bound
-                inline = tiny or (cell[4] and bound > 0 and self._wide)
+                wide = cell[4] and bound > 0 and self._wide
+                inline = tiny or wide
                 if not inline and cell[2] >= _SYNC_STREAK and bound > 0:
                     # waited for at once, the last times: run it here, except every
                     # _SYNC_PROBE-th push, which goes to the worker to look again
@@ -289,7 +290,7 @@ class ThreadedEngine(Engine):
                     q = self._queues.get(op.key)
                     if q is not None and not q.busy and not q.heap and self._start_ok(op.budget):
                         q.busy += 1          # the device counts as busy while we run it here
-                        if not (tiny or cell[4]):   # inline for the loop: until it waits
+                        if not (tiny or wide):      # inline for the loop: until it waits
                             self._fresh, self._fresh_inline = op, True
                     else:
                         q = None
@@ -411,9 +412,7 @@ class ThreadedEngine(Engine):
                     return
                 op = heapq.heappop(q.heap)
                 q.busy += 1
-                if q.ack is not None:
-                    q.ack.release()
-                    q.ack = None
+                _taken(q)
                 while not self._start_ok(op.budget):    # ops of another budget are running
                     want = self._want
                     want[op.budget] = want.get(op.budget, 0) + 1
@@ -470,9 +469,7 @@ class ThreadedEngine(Engine):
         if not self._start_ok(head.budget):
             return None
         q.busy += 1
-        if q.ack is not None:
-            q.ack.release()
-            q.ack = None
+        _taken(q)
         return heapq.heappop(q.heap)
 
     def _waited_done(self, op):
@@ -564,6 +561,7 @@ class ThreadedEngine(Engine):
             if not queued:
                 return
             for q in queued:
+                _taken(q)                   # (a pusher may wait for a worker to take one)
                 while q.heap:
                     op = heapq.heappop(q.heap)
                     err = OpError(op.name, RuntimeError(
@@ -571,6 +569,14 @@ class ThreadedEngine(Engine):
                     for w in op.writes:
                         w.exc = err
                     self._finish(op)
+
+
+def _taken(q):                             # lock held
+    """An op is being taken from ``q``: release the pusher waiting for that (see _enqueue)."""
+    ack = q.ack
+    if ack is not None:
+        q.ack = None
+        ack.release()
 
 
 def _key_name(key):
