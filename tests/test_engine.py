@@ -606,25 +606,30 @@ _WIDE_SCRIPT = textwrap.dedent("""
         while time.thread_time() - t0 < 3e-4:   # not tiny (inline_s is 100 us)
             pass
 
-    def push_and_wait(dev):
+    def push_and_wait(dev, work):
         in_push[0] = True
         try:
             e.push(op, [v], [v], dev, name="gemm-op", pure=True)
         finally:
             in_push[0] = False
-        time.sleep(0.01)                    # the worker takes it meanwhile, unless run here
+        if work:
+            time.sleep(work)                # frontend time away from the engine
+        else:                               # another push before the wait: not a
+            e.push(lambda: None, [], [Var()], dev, name="other", pure=True)  # sync loop
         e.waitall()
 
-    def phase(n, dev=hl.cpu(0)):
+    def phase(n, dev=hl.cpu(0), work=0):
         log.clear()
         for _ in range(n):
-            push_and_wait(dev)
+            push_and_wait(dev, work)
         print("".join("P" if f else "w" for f in log))
 
     phase(4)                                # one device, default budget: every core
     with hl.engine.blas_threads(1):         # a smaller pool: learned at the next timed run
         phase(12)
     phase(9)                                # back to every core
+    phase(6, work=0.005)                    # 5 ms of frontend time after each push
+    phase(20)                               # (weight 1/4 per push: ~13 pushes to go back)
     e.push(lambda: None, [], [Var()], hl.cpu(1), name="start")   # a second device: the
     e.waitall()                             # budget halves, for every later push
     phase(4)
@@ -636,20 +641,87 @@ _WIDE_SCRIPT = textwrap.dedent("""
 def test_ops_whose_gemms_fill_every_core_run_in_the_pusher():
     """An op whose timed run started a GEMM on a BLAS pool covering every core runs in the
     pushing thread once that is learned (its first run is the lesson); on a smaller pool (a
-    pinned budget: learned at the next timed run, one in 8; a second device: at once) it goes
-    to the worker again. The pushes are not waited for at once (no synchronous loop): without
-    the rule the worker would run every one. In a fresh process: the budget depends on the
-    devices the process has used."""
+    pinned budget: learned at the next timed run, one in 8; a second device: at once), or
+    when the frontend keeps working for long after pushing it (moving average), it goes to
+    the worker again. Another op is pushed before each wait (no synchronous loop): without
+    the rule the worker, or the waiter, would run every one. In a fresh process: the budget
+    depends on the devices the process has used."""
     r = subprocess.run([sys.executable, "-c", _WIDE_SCRIPT], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
-    one, pinned, back, two, cores = r.stdout.split()
+    one, pinned, back, busy, again, two, cores = r.stdout.split()
     if int(cores) < 2:
         pytest.skip("one core: every BLAS pool covers the machine")
     assert one[1:] == "PPP"                 # (the first run, the lesson, ran anywhere)
     assert pinned[0] == "P" and pinned[-3:] == "www"
     assert back[-3:] == "PPP"
+    assert busy[-4:] == "wwww"              # 5 ms of frontend work >> the op's 0.3 ms
+    assert again[-3:] == "PPP"              # the average comes back down
     assert two == "wwww"
+
+
+def test_a_one_thread_blas_pool_leaves_gemm_ops_asynchronous_on_two_cores():
+    """OPENBLAS_NUM_THREADS=1 on a multi-core machine (the README's advice for a busy one):
+    each GEMM leaves a core free for the frontend, so no op runs in the pusher for filling
+    the machine."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", _WIDE_SCRIPT], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    *phases, _ = r.stdout.split()
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core")
+    assert "P" not in "".join(phases[2:]), phases    # (the first phase learns on run 1)
+
+
+def test_a_wait_inside_an_op_run_by_a_waiting_thread_raises_instead_of_hanging():
+    """An op run in the frontend thread (taken by its wait, or inline) that itself waits
+    gets the same clear error as on a worker; the engine goes on working."""
+    e = ThreadedEngine()
+    try:
+        v = Var("v")
+        box = {}
+
+        def bad():
+            e.waitall()                     # would wait for this very op
+
+        def run():
+            e.push(bad, [], [v], DEVS[0], name="bad", pure=True)
+            try:
+                e.wait_for(v)
+            except OpError as err:
+                box["err"] = err
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(20)
+        assert not t.is_alive(), "hung"
+        assert "inside a worker thread" in str(box["err"])
+        with contextlib.suppress(OpError):
+            e.waitall()
+        w = Var("w")
+        e.push(lambda: None, [], [w], DEVS[0], name="ok", pure=True)
+        e.wait_for(w)
+    finally:
+        e.shutdown()
+
+
+def test_blas_threads_holds_for_ops_pushed_inside_it_that_run_later():
+    """``blas_threads(1)``: an op pushed inside the block runs on 1 BLAS thread even when
+    the worker reaches it after the block (here it is busy with a long op first): the same
+    bits as the naive engine, which runs it at its push."""
+    r = np.random.default_rng(0)
+    a = r.standard_normal((256, 784)).astype(np.float32)
+    w = r.standard_normal((784, 256)).astype(np.float32)
+    A, W = hl.nd.array(a), hl.nd.array(w)
+    big = hl.nd.array(r.standard_normal((1500, 1500)).astype(np.float32))
+    with hl.engine.set_engine("naive"):
+        with hl.engine.blas_threads(1):
+            ref = hl.nd.dot(A, W).asnumpy()
+    for _ in range(5):
+        hl.nd.exp(big)                      # keeps the worker busy
+        with hl.engine.blas_threads(1):
+            y = hl.nd.dot(A, W)
+        assert np.array_equal(y.asnumpy(), ref)
 
 
 def test_a_push_that_wakes_an_idle_worker_returns_once_it_took_the_op(monkeypatch):

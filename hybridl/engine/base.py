@@ -140,7 +140,11 @@ def _blas_module():
     if not _BLAS:
         from ..ops import _blas
         _BLAS.append(_blas)
+        _PIN.append(_blas._state)
     return _BLAS[0]
+
+
+_PIN = []       # [hybridl.ops._blas._state] once imported (its "pin": blas_threads' count)
 
 
 # Queue keys pushed to in this process, by any engine (see Engine.blas_budget): devices, and
@@ -379,7 +383,11 @@ class Engine:
                         _KEYS["gen"] += 1
         if self._gen != _KEYS["gen"]:
             self.blas_budget()
-        return None if type(key) is tuple else self._budget
+        if type(key) is tuple:
+            return None
+        pin = _PIN[0]["pin"] if _PIN else _blas_module()._state["pin"]
+        # inside hl.engine.blas_threads(n): n, also for an op that runs after the block ends
+        return self._budget if pin is None else pin
 
     def _budget_changed(self, budget):
         """The budget of later pushes is now ``budget``."""
@@ -452,7 +460,8 @@ class Engine:
         the op has a cost cell ``[average, runs]``, the moving average of its run time that the
         threaded engine uses to run tiny ops inline. The run time is this thread's CPU time
         (wall time would count waits for the GIL and, on a loaded machine, preemption); as that
-        clock is a system call (~1 us), only the first run and every 8th run are timed."""
+        clock is a system call (~1 us), only the first two runs and every 8th run are timed
+        (the second replaces a longer first: the first run of a kernel is often cold)."""
         meta = op.meta
         if meta is _GROUP_META:
             # A group: each member passes/stores its own errors; the group must neither skip
@@ -483,7 +492,7 @@ class Engine:
         if cell is not None:
             runs = cell[1]
             cell[1] = runs + 1
-            if runs & 7 and cell[0] is not None:
+            if runs & 7 and runs != 1 and cell[0] is not None:
                 cell = None                 # not timed this time
         t0 = _now() if prof is not None else 0.0
         if cell is not None:
@@ -507,7 +516,11 @@ class Engine:
             self._keep_error(err)
             return err
         if cell is not None:
-            _learn(cell, _cpu() - c0)
+            dt = _cpu() - c0
+            if cell[1] == 2 and cell[0] is not None:
+                cell[0] = min(cell[0], dt)  # the first run is often cold (first touch of
+            else:                           # buffers, library set-up): the second one decides
+                _learn(cell, dt)
             cell[4] = _blas_module().wide_gemms() != w0
         for w in op.writes:
             w.exc = None

@@ -13,6 +13,8 @@ import os
 import sys
 import threading
 from _thread import allocate_lock as _allocate_lock
+from _thread import get_ident as _get_ident
+from time import perf_counter as _now
 
 from .base import _GROUP_META, Engine, OpError, _blas_module, _Op
 
@@ -41,6 +43,11 @@ _SWITCH_INTERVAL = 0.0005
 # burst. The pusher instead waits (GIL released) until the worker has taken the op, at most
 # _HANDOFF_S seconds: tens of microseconds, once per wake-up of an idle worker.
 _HANDOFF_S = 0.002
+
+# An op whose GEMMs fill every core runs in the pushing thread unless the frontend, after
+# pushing it, has been running Python for more than _GAP_SHARE of the op's run time before
+# coming back to the engine (a push or a wait): then the op overlaps that work on the worker.
+_GAP_SHARE = 0.5
 
 
 def _env_switch_interval():
@@ -115,14 +122,17 @@ class ThreadedEngine(Engine):
     (tens of microseconds on a small VM) for an overlap it never uses.
 
     Ops that fill the machine: an op whose last timed run started a GEMM on a BLAS pool
-    covering every core (one device with the default budget, see
+    covering every core the process may use (one device with the default budget, see
     :meth:`~hybridl.engine.base.Engine.blas_budget`) runs in the pushing thread too when its
-    device is idle. Run on the worker beside the frontend's Python it gains nothing and loses
-    time: the frontend takes a core from the BLAS threads, and OpenBLAS's static split of the
-    product waits for the thread that lost it (MLP 784-256-128-10, batch 256, 2 cores: the
-    first GEMM 474 -> 685 us beside a 150 us burst of frontend code; the eager training step
-    ~20% faster inline, ``benchmarks/train_step.py``). With several devices (or workers) each
-    GEMM gets fewer threads, and these ops stay asynchronous.
+    device is idle, unless the frontend, after pushing it, usually runs Python for more than
+    half the op's run time before it pushes or waits again (moving average per cost key).
+    Beside a short burst of frontend code it gains little on the worker and loses time: the
+    frontend takes a core from the BLAS threads, and OpenBLAS's static split of the product
+    waits for the thread that lost it (MLP 784-256-128-10, batch 256, 2 cores: the first GEMM
+    474 -> 685 us beside a 150 us burst of pushes; the eager training step ~20% faster
+    inline, ``benchmarks/train_step.py``); beside long frontend work it overlaps, and goes to
+    the worker. With several devices (or workers, or ``OPENBLAS_NUM_THREADS`` below the
+    cores) each GEMM leaves cores free, and these ops stay asynchronous.
 
     Hand-over: a push that wakes an idle worker waits (GIL released) until that worker has
     taken the op, at most 2 ms. Otherwise the worker, needing the GIL for a moment to start the
@@ -167,7 +177,8 @@ class ThreadedEngine(Engine):
         self._stopping = False
         self._worker_ids = set()
         # cost key -> [average run time (s) or None, runs, sync streak, sync-inline pushes,
-        # whether its last timed run started a GEMM on every core (see wide_gemms)]
+        # whether its last timed run started a GEMM on every core (see wide_gemms), average
+        # frontend time from its push to the next push or wait (s) or None]
         self._cost = {}
         self._fresh = None             # the last op pushed, not waited for yet ...
         self._fresh_inline = False     # ... and whether it ran in the pusher for a sync loop
@@ -180,6 +191,7 @@ class ThreadedEngine(Engine):
         self._mode_cv = threading.Condition(self._lock)
         self._gating = False           # the budget has changed once: run_ready takes the lock
         self._wide = True              # the budget covers every core (see _budget_changed)
+        self._gap = None               # (cell, thread, time) of the last wide op's push
 
     # ------------------------------------------------------------------ BLAS budget
     def _workers_per_key(self):
@@ -188,7 +200,7 @@ class ThreadedEngine(Engine):
     def _budget_changed(self, budget):
         # a push's GEMMs can fill the machine only with every core in the budget (a second
         # device halves it: its ops go back to the workers at once, not at their next timing)
-        self._wide = budget >= _blas_module().cores()
+        self._wide = budget >= _blas_module()._CORES
         if self._budget is not None and budget != self._budget:
             self._gating = True
         self._budget = budget
@@ -218,6 +230,26 @@ class ThreadedEngine(Engine):
 
     # ------------------------------------------------------------------ scheduling
     def _push_op(self, op):
+        if self._gap is not None:
+            self._gap_end()
+        self._push(op)
+        cell = op.cell
+        if cell is not None and cell[4]:    # may run inline to fill the cores: time the
+            self._gap = (cell, _get_ident(), _now())    # frontend's work until it is back
+
+    def _gap_end(self):
+        """The frontend is back in the engine (a push or a wait): the time since it pushed an
+        op whose GEMMs fill the cores is Python work that op could have overlapped; folded
+        into the op's average (cost cell index 5, see _GAP_SHARE). Other threads' returns
+        are not this frontend's: ignored."""
+        g = self._gap
+        self._gap = None
+        if g is not None and g[1] == _get_ident():
+            cell, dt = g[0], _now() - g[2]
+            old = cell[5]
+            cell[5] = dt if old is None else old + 0.25 * (dt - old)
+
+    def _push(self, op):
         budget = self._op_budget(op.key)
         # only pure ops hold a budget: an op that may wait on another thread (an event, a
         # collective) must not keep ops of another budget from starting while it waits
@@ -232,7 +264,7 @@ class ThreadedEngine(Engine):
             if cell is None:
                 if len(cost) >= 4096:                # very many shapes: forget, re-learn
                     cost.clear()
-                cell = cost[key] = [None, 0, 0, 0, False]
+                cell = cost[key] = [None, 0, 0, 0, False, None]
             op.cell = cell
         writes = op.writes
         with self._lock:
@@ -279,7 +311,8 @@ class ThreadedEngine(Engine):
                 if type(key) is tuple and key[0] == "bulk":
                     bound *= key[1]           # a group: inline when its members would be
                 tiny = c is not None and c < bound
-                wide = cell[4] and bound > 0 and self._wide
+                wide = (cell[4] and bound > 0 and self._wide
+                        and (cell[5] is None or cell[5] < _GAP_SHARE * c))
                 inline = tiny or wide
                 if not inline and cell[2] >= _SYNC_STREAK and bound > 0:
                     # waited for at once, the last times: run it here, except every
@@ -295,7 +328,9 @@ class ThreadedEngine(Engine):
                     else:
                         q = None
             if q is None:
-                ack = self._enqueue(op, handoff=pure is not False)
+                # (not for an op whose GEMMs fill the cores: the frontend, once it gave up
+                # the GIL, would wait for a core until the product is done)
+                ack = self._enqueue(op, handoff=bool(pure) and not cell[4])
                 if pure and self.inline_s > 0:   # until the next push or a wait for it
                     self._fresh, self._fresh_inline = op, False
         if q is None:
@@ -348,10 +383,19 @@ class ThreadedEngine(Engine):
         return None if cell is None else cell[0]
 
     def _run_here(self, op, q):
-        """Run ``op`` (already counted in ``q.busy``) in the calling thread, then finish it."""
+        """Run ``op`` (already counted in ``q.busy``) in the calling thread, then finish it.
+        Meanwhile the thread counts as a worker: a wait inside the op raises (it would wait
+        for the op itself)."""
+        tid = _get_ident()
+        ids = self._worker_ids
+        outer = tid not in ids
+        if outer:
+            ids.add(tid)
         try:
             self._execute(op)
         finally:
+            if outer:
+                ids.discard(tid)
             with self._lock:
                 q.busy -= 1
                 self._ended(op.budget)
@@ -368,12 +412,16 @@ class ThreadedEngine(Engine):
         elif q is None:
             _set_switch_interval()
             q = self._queues[op.key] = _Queue(self._lock)
-            for i in range(self.num_workers):
-                t = threading.Thread(target=self._worker, args=(q,), daemon=True,
-                                     name=f"hybridl-{_key_name(op.key)}-w{i}")
-                q.threads.append(t)
-                t.start()
-                self._worker_ids.add(t.ident)
+            try:
+                for i in range(self.num_workers):
+                    t = threading.Thread(target=self._worker, args=(q,), daemon=True,
+                                         name=f"hybridl-{_key_name(op.key)}-w{i}")
+                    q.threads.append(t)
+                    t.start()
+                    self._worker_ids.add(t.ident)
+            finally:    # Ctrl-C while a worker starts: the op is counted, it must be queued
+                heapq.heappush(q.heap, op)
+            return None
         heapq.heappush(q.heap, op)
         if q.sleeping:                      # an awake worker looks at the heap before sleeping
             q.cond.notify()
@@ -492,6 +540,8 @@ class ThreadedEngine(Engine):
             op.cell[2] = 0
 
     def _wait_op(self, op):
+        if self._gap is not None:
+            self._gap_end()
         lock = self._lock
         with lock:
             if op.done:
@@ -515,6 +565,8 @@ class ThreadedEngine(Engine):
             self._run_here(job, q)
 
     def _wait_all(self):
+        if self._gap is not None:
+            self._gap_end()
         self._check_not_worker()
         lock = self._lock
         while True:

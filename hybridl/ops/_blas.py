@@ -27,14 +27,19 @@ from ctypes import c_char as _c_char
 __all__ = ["for_gemm", "set_budget", "budget", "cores", "pin", "gemm_tn_accumulate", "axpy"]
 
 
+def _affinity():
+    """The CPUs this process may run on (its affinity mask)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def cores():
     """The BLAS threads this process may use in all: the CPUs it may run on (its affinity
     mask, e.g. one core per rank under ``mpiexec -bind-to core``), capped by
     ``OPENBLAS_NUM_THREADS`` (else ``OMP_NUM_THREADS``) when set to a positive integer."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
+    n = _affinity()
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
         v = os.environ.get(var, "").strip()
         if v.isdigit() and int(v) > 0:
@@ -116,7 +121,9 @@ def for_gemm():
         _tls.wide = getattr(_tls, "wide", 0) + 1
 
 
-_CORES = _state["max"]          # cores() when the process started
+# the CPUs this process may run on when it started (not capped by OPENBLAS_NUM_THREADS: a
+# 1-thread pool on a 2-core machine leaves a core free for other work)
+_CORES = _affinity()
 _tls = threading.local()
 
 
