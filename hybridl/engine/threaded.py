@@ -137,7 +137,9 @@ class ThreadedEngine(Engine):
     Hand-over: a push that wakes an idle worker waits (GIL released) until that worker has
     taken the op, at most 2 ms. Otherwise the worker, needing the GIL for a moment to start the
     op, would get it only when the frontend blocks or after a GIL time slice (0.5 ms plus the
-    timer slack), which is after the frontend's whole burst of pushes: no overlap at all.
+    timer slack), which is after the frontend's whole burst of pushes: no overlap at all. Not
+    for an op whose GEMMs fill the cores (sent to the worker by the rule above): the frontend,
+    once it gave up the GIL, would find no free core until the product is done.
 
     When its first workers start, the interpreter's GIL time slice is shortened from Python's
     default 5 ms to 0.5 ms (``sys.setswitchinterval``; not when the program set its own, and
