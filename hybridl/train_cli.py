@@ -134,6 +134,27 @@ def _model(name, size):
     return models.inception_net(10)
 
 
+def _fitting_options(path, tried):
+    """``--model M --dataset D`` options (text) whose network ``path``'s parameters fit
+    (names and shapes), other than ``tried``; '' when none does. Digits and the 28x28
+    datasets differ only in the input size, so one of those stands for the others."""
+    from . import nd
+    found = []
+    for model in ("lenet", "mlp", "resnet18", "inception"):
+        for dataset, size in (("digits", 8), ("mnist", 28)):
+            if (model, dataset) == tuple(tried) or (model, size) in [(m, s) for m, s, _ in found]:
+                continue
+            net = _model(model, size)
+            net.initialize()
+            try:
+                net(nd.zeros((1, 1, size, size)))
+                net.load_parameters(path)
+            except (ValueError, OSError):
+                continue
+            found.append((model, size, f"`--model {model} --dataset {dataset}`"))
+    return " or ".join(text for _, _, text in found)
+
+
 def evaluate(net, loader, devices=None):
     """Accuracy (fraction in [0, 1]) of ``net`` over ``loader``, in predict mode."""
     from . import autograd, nd
@@ -568,9 +589,11 @@ def main_export(argv=None):
             except ValueError as e:          # names/shapes differ: most likely another model
                 import re               # (the Python-API remedies do not apply to the CLI)
                 msg = re.sub(r" \(pass (allow_missing|ignore_extra)=True[^)]*\)", "", str(e))
-                raise ValueError(f"{msg}; was {args.params!r} saved by `hybridl train --model "
-                                 f"{args.model} --dataset {args.dataset}`? pass the same "
-                                 f"--model and --dataset to export") from e
+                fits = _fitting_options(args.params, (args.model, args.dataset))
+                hint = (f"the file fits {fits}: pass those options" if fits else
+                        "it fits none of the models of `hybridl train`")
+                raise ValueError(f"{msg}; {args.params!r} was not saved by `hybridl train "
+                                 f"--model {args.model} --dataset {args.dataset}`: {hint}") from e
         net.hybridize()
         sym, par = net.export(args.out, x)
         print(f"wrote {sym} and {par}")

@@ -128,6 +128,11 @@ def test_save_then_export(tmp_path):
     r = _hybridl("export", "--params", str(bad), "--out", str(tmp_path / "x"))
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and "bad.safetensors" in r.stderr
+    # parameters of another model: the error names the options the file fits
+    r = _hybridl("export", "--model", "mlp", "--params", str(params), "--out", str(tmp_path / "y"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "the file fits `--model lenet --dataset digits`" in r.stderr, r.stderr
+    assert not (tmp_path / "y-symbol.json").exists()
 
 
 def test_export_checks_every_output_path_before_writing(tmp_path):
