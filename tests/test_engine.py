@@ -660,6 +660,59 @@ def test_ops_whose_gemms_fill_every_core_run_in_the_pusher():
     assert two == "wwww"
 
 
+_WIDE_EAGER_SCRIPT = textwrap.dedent("""
+    import time
+    import numpy as np
+    import hybridl as hl
+    import hybridl.engine.threaded as T
+    pushed = [0]
+    orig = T.ThreadedEngine._push
+
+    def counting(self, op):
+        pushed[0] += 1
+        return orig(self, op)
+    T.ThreadedEngine._push = counting
+    r = np.random.default_rng(0)
+    a = r.standard_normal((256, 784)).astype(np.float32)
+    w = r.standard_normal((784, 784)).astype(np.float32) / 28
+    A, W = hl.nd.array(a), hl.nd.array(w)
+    ref = a.copy()
+
+    def chain(n, work):
+        global ref
+        x, p0 = A, pushed[0]
+        for _ in range(n):
+            x = hl.nd.dot(x, W)             # 0.3 GFLOP: far from tiny
+            if work:
+                time.sleep(work)
+        got = x.asnumpy()
+        exp = a
+        for _ in range(n):
+            exp = exp @ w
+        assert np.allclose(got, exp, rtol=1e-4, atol=1e-4), abs(got - exp).max()
+        return pushed[0] - p0
+
+    counts = [chain(4, 0) for _ in range(4)]          # back to back: run at once, no op
+    busy = [chain(4, 0.01) for _ in range(4)]         # 10 ms of frontend time after each
+    print(counts[-1], busy[-1], len(__import__("os").sched_getaffinity(0)))
+""")
+
+
+def test_eager_products_that_fill_the_cores_run_at_once_unless_the_frontend_keeps_working():
+    """Eager ops whose GEMMs fill every core, pushed back to back, run in the calling thread
+    without making an engine op (the engine's bookkeeping is the overhead left); once the
+    program works for long after each, they are pushed to the worker again. Results equal
+    NumPy's either way. In a fresh process (the budget depends on the devices used)."""
+    r = subprocess.run([sys.executable, "-c", _WIDE_EAGER_SCRIPT], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    quick, busy, cores = map(int, r.stdout.split())
+    if cores < 2:
+        pytest.skip("one core")
+    assert quick == 0                       # 4 products, no op pushed
+    assert busy == 4                        # each one pushed to the worker
+
+
 def test_a_one_thread_blas_pool_leaves_gemm_ops_asynchronous_on_two_cores():
     """OPENBLAS_NUM_THREADS=1 on a multi-core machine (the README's advice for a busy one):
     each GEMM leaves a core free for the frontend, so no op runs in the pusher for filling

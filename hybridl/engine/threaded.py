@@ -125,7 +125,8 @@ class ThreadedEngine(Engine):
     covering every core the process may use (one device with the default budget, see
     :meth:`~hybridl.engine.base.Engine.blas_budget`) runs in the pushing thread too when its
     device is idle, unless the frontend, after pushing it, usually runs Python for more than
-    half the op's run time before it pushes or waits again (moving average per cost key).
+    half the op's run time before it uses the engine again (a push, a tiny op, a wait; moving
+    average per cost key).
     Beside a short burst of frontend code it gains little on the worker and loses time: the
     frontend takes a core from the BLAS threads, and OpenBLAS's static split of the product
     waits for the thread that lost it (MLP 784-256-128-10, batch 256, 2 cores: the first GEMM
@@ -240,10 +241,10 @@ class ThreadedEngine(Engine):
             self._gap = (cell, _get_ident(), _now())    # frontend's work until it is back
 
     def _gap_end(self):
-        """The frontend is back in the engine (a push or a wait): the time since it pushed an
-        op whose GEMMs fill the cores is Python work that op could have overlapped; folded
-        into the op's average (cost cell index 5, see _GAP_SHARE). Other threads' returns
-        are not this frontend's: ignored."""
+        """The frontend is back in the engine (a push, a tiny op run at once, or a wait): the
+        time since it pushed an op whose GEMMs fill the cores is Python work that op could
+        have overlapped; folded into the op's average (cost cell index 5, see _GAP_SHARE).
+        Other threads' returns are not this frontend's: ignored."""
         g = self._gap
         self._gap = None
         if g is not None and g[1] == _get_ident():
@@ -313,8 +314,7 @@ class ThreadedEngine(Engine):
                 if type(key) is tuple and key[0] == "bulk":
                     bound *= key[1]           # a group: inline when its members would be
                 tiny = c is not None and c < bound
-                wide = (cell[4] and bound > 0 and self._wide
-                        and (cell[5] is None or cell[5] < _GAP_SHARE * c))
+                wide = self._wide_inline(cell, bound)
                 inline = tiny or wide
                 if not inline and cell[2] >= _SYNC_STREAK and bound > 0:
                     # waited for at once, the last times: run it here, except every
@@ -348,8 +348,14 @@ class ThreadedEngine(Engine):
         wait behind them). An error is stored on the outputs and in the engine (raised at the
         next sync point), as for a pushed op. Every 8th run is timed into the cost key's
         average."""
+        if self._gap is not None:           # the frontend is back in the engine
+            self._gap_end()
         cell = self._cost.get(cost_key)
-        if cell is None or cell[0] is None or not cell[0] < self.inline_s:
+        if cell is None or cell[0] is None:
+            return False
+        if not cell[0] < self.inline_s:
+            if cell[1] >= 2 and self._wide_inline(cell, self.inline_s):
+                return self._run_wide(kernel, arrays, outs, attrs, device, cell, name)
             return False
         if self.profiler is not None:
             return False
@@ -377,6 +383,51 @@ class ThreadedEngine(Engine):
                     self._ended(budget)
         if err is not None:
             self._keep_error(err)
+        return True
+
+    def _wide_inline(self, cell, bound):
+        """Whether an op of ``cell`` should run in the pushing thread for filling the cores
+        (see the class docstring): its GEMMs did, the budget covers every core, and the
+        frontend does not usually keep working for long after pushing it."""
+        gap = cell[5]
+        return (cell[4] and bound > 0 and self._wide
+                and (gap is None or gap < _GAP_SHARE * cell[0]))
+
+    def _run_wide(self, kernel, arrays, outs, attrs, device, cell, name):
+        """:meth:`run_ready` for an op whose GEMMs fill the cores: run it now, without making
+        an op, when its inputs are ready and its device is idle (as a pushed one would run
+        inline, minus the op's bookkeeping). Returns False when it cannot."""
+        if self.profiler is not None:
+            return False
+        b = self._bulk.buf
+        if b is not None and b["ops"]:
+            return False
+        for a in arrays:
+            v = a._var
+            w = v._writer
+            if (w is not None and not w.done) or v.exc is not None:
+                return False
+        budget = self._op_budget(device)
+        with self._lock:
+            q = self._queues.get(device)
+            if q is None or q.busy or q.heap or not self._start_ok(budget):
+                return False
+            q.busy += 1                     # the device is busy while it runs here
+        runs = cell[1]
+        cell[1] = runs + 1
+        timed = not runs & 7
+        try:
+            w0 = _blas_module().wide_gemms() if timed else 0
+            err = self._run_now(kernel, arrays, outs, attrs, name, cell if timed else None)
+            if timed:
+                cell[4] = _blas_module().wide_gemms() != w0
+        finally:
+            with self._lock:
+                q.busy -= 1
+                self._ended(budget)
+        if err is not None:
+            self._keep_error(err)
+        self._gap = (cell, _get_ident(), _now())    # as after a push (see _push_op)
         return True
 
     def learned_seconds(self, cost_key):
