@@ -16,7 +16,7 @@ from _thread import allocate_lock as _allocate_lock
 from _thread import get_ident as _get_ident
 from time import perf_counter as _now
 
-from .base import _GROUP_META, Engine, OpError, _blas_module, _Op
+from .base import _GROUP_META, _KEYS, Engine, OpError, _blas_module, _Op
 
 __all__ = ["ThreadedEngine"]
 
@@ -44,9 +44,9 @@ _SWITCH_INTERVAL = 0.0005
 # _HANDOFF_S seconds: tens of microseconds, once per wake-up of an idle worker.
 _HANDOFF_S = 0.002
 
-# An op whose GEMMs fill every core runs in the pushing thread unless the frontend, after
-# pushing it, has been running Python for more than _GAP_SHARE of the op's run time before
-# coming back to the engine (a push or a wait): then the op overlaps that work on the worker.
+# With one compute worker in the process, an op runs in the pushing thread unless the frontend,
+# after pushing it, has been running Python for more than _GAP_SHARE of the op's run time
+# before coming back to the engine: then the op overlaps that work on the worker.
 _GAP_SHARE = 0.5
 
 
@@ -109,7 +109,8 @@ class ThreadedEngine(Engine):
     thread waiting for an op likewise runs such ops from the head of that device's queue
     instead of sleeping. For ops that small the hand-over to a worker (wake-up, GIL hand-over,
     wake-up of the waiter) costs more than the op. Results, ordering and error handling are the
-    same (errors are still stored, not raised at the push); big or unknown ops stay asynchronous.
+    same (errors are still stored, not raised at the push); big or unknown ops stay asynchronous
+    (with several compute workers; with one, see below).
 
     Synchronous loops: when the pushing thread has waited for the ops of one cost key right
     after pushing them, finding them still queued (the worker had not yet woken up), twice in a
@@ -121,26 +122,30 @@ class ThreadedEngine(Engine):
     ``loss = step(x, y); print(loss.item())`` then pays no hand-over to a worker and back
     (tens of microseconds on a small VM) for an overlap it never uses.
 
-    Ops that fill the machine: an op whose last timed run started a GEMM on a BLAS pool
-    covering every core the process may use (one device with the default budget, see
-    :meth:`~hybridl.engine.base.Engine.blas_budget`) runs in the pushing thread too when its
-    device is idle, unless the frontend, after pushing it, usually runs Python for more than
-    half the op's run time before it uses the engine again (a push, a tiny op, a wait; moving
-    average per cost key).
-    Beside a short burst of frontend code it gains little on the worker and loses time: the
-    frontend takes a core from the BLAS threads, and OpenBLAS's static split of the product
-    waits for the thread that lost it (MLP 784-256-128-10, batch 256, 2 cores: the first GEMM
-    474 -> 685 us beside a 150 us burst of pushes; the eager training step ~20% faster
-    inline, ``benchmarks/train_step.py``); beside long frontend work it overlaps, and goes to
-    the worker. With several devices (or workers, or ``OPENBLAS_NUM_THREADS`` below the
-    cores) each GEMM leaves cores free, and these ops stay asynchronous.
+    One worker: when the process computes on one device with one worker (the default
+    budget then gives it every core, see :meth:`~hybridl.engine.base.Engine.blas_budget`),
+    nothing but the frontend can run beside an op, and a ready op whose device is idle runs
+    in the pushing thread, eager ops without even making an engine op, unless the frontend,
+    after pushing such an op, usually runs Python for more than half the op's run time before
+    it pushes another op that is not tiny or waits (tiny ops run meanwhile do not count;
+    moving average per cost key): then the op overlaps that work on the worker. Beside a
+    short burst of frontend code the hand-over costs more than the overlap gains, and a
+    product on every core loses time too:
+    the frontend takes a core from the BLAS threads and OpenBLAS's static split waits for the
+    thread that lost it (MLP 784-256-128-10, batch 256, 2 cores: its first GEMM 474 -> 685 us
+    beside a 150 us burst of pushes). Eager training steps on 2 cores, ``benchmarks/
+    train_step.py``: MLP batch 256 ~20% faster, LeNet ~7%. With several devices (or workers,
+    or MPI collectives, whose communication thread then overlaps backward) ops stay
+    asynchronous: another worker can run beside them. Copies and collectives (their own
+    queues) always do.
 
     Hand-over: a push that wakes an idle worker waits (GIL released) until that worker has
     taken the op, at most 2 ms. Otherwise the worker, needing the GIL for a moment to start the
     op, would get it only when the frontend blocks or after a GIL time slice (0.5 ms plus the
     timer slack), which is after the frontend's whole burst of pushes: no overlap at all. Not
-    for an op whose GEMMs fill the cores (sent to the worker by the rule above): the frontend,
-    once it gave up the GIL, would find no free core until the product is done.
+    for an op whose last timed run started a GEMM on a BLAS pool covering every CPU of the
+    process (:func:`hybridl.ops._blas.wide_gemms`): the frontend, once it gave up the GIL,
+    would find no free core until the product is done.
 
     When its first workers start, the interpreter's GIL time slice is shortened from Python's
     default 5 ms to 0.5 ms (``sys.setswitchinterval``; not when the program set its own, and
@@ -193,17 +198,19 @@ class ThreadedEngine(Engine):
         self._want = {}                # budget -> workers waiting to start an op with it
         self._mode_cv = threading.Condition(self._lock)
         self._gating = False           # the budget has changed once: run_ready takes the lock
-        self._wide = True              # the budget covers every core (see _budget_changed)
-        self._gap = None               # (cell, thread, time) of the last wide op's push
+        self._solo = True              # one compute worker in the process (_budget_changed)
+        self._gap = None               # [cell, thread, time, tiny-op time] of the last push
 
     # ------------------------------------------------------------------ BLAS budget
     def _workers_per_key(self):
         return self.num_workers
 
     def _budget_changed(self, budget):
-        # a push's GEMMs can fill the machine only with every core in the budget (a second
-        # device halves it: its ops go back to the workers at once, not at their next timing)
-        self._wide = budget >= _blas_module()._CORES
+        # one compute worker in the process: nothing but the frontend could run beside an op
+        # (a second device or worker lowers the budget: ops go back to the workers at once)
+        self._solo = _KEYS["busy"] <= 1   # (an MPI communication thread counts: with backward
+        # ops queued rather than run at their push, the frontend reaches the gradients'
+        # allreduce pushes early, and they overlap the rest of backward)
         if self._budget is not None and budget != self._budget:
             self._gating = True
         self._budget = budget
@@ -237,18 +244,19 @@ class ThreadedEngine(Engine):
             self._gap_end()
         self._push(op)
         cell = op.cell
-        if cell is not None and cell[4]:    # may run inline to fill the cores: time the
-            self._gap = (cell, _get_ident(), _now())    # frontend's work until it is back
+        if cell is not None and op.budget is not None:   # a device's op: time the frontend's
+            self._gap = [cell, _get_ident(), _now(), 0.0]   # work until it is back
 
     def _gap_end(self):
-        """The frontend is back in the engine (a push, a tiny op run at once, or a wait): the
-        time since it pushed an op whose GEMMs fill the cores is Python work that op could
-        have overlapped; folded into the op's average (cost cell index 5, see _GAP_SHARE).
-        Other threads' returns are not this frontend's: ignored."""
+        """The frontend is back in the engine with an op that is not tiny, or a wait: the
+        time since it pushed the last device op, less the tiny ops it ran at once meanwhile
+        (compute, often on that op's result), is Python work that op could have overlapped;
+        folded into the op's average (cost cell index 5, see _GAP_SHARE). Other threads'
+        returns are not this frontend's: ignored."""
         g = self._gap
         self._gap = None
         if g is not None and g[1] == _get_ident():
-            cell, dt = g[0], _now() - g[2]
+            cell, dt = g[0], _now() - g[2] - g[3]
             old = cell[5]
             cell[5] = dt if old is None else old + 0.25 * (dt - old)
 
@@ -314,8 +322,8 @@ class ThreadedEngine(Engine):
                 if type(key) is tuple and key[0] == "bulk":
                     bound *= key[1]           # a group: inline when its members would be
                 tiny = c is not None and c < bound
-                wide = self._wide_inline(cell, bound)
-                inline = tiny or wide
+                solo = op.budget is not None and self._overlaps_nothing(cell, bound)
+                inline = tiny or solo
                 if not inline and cell[2] >= _SYNC_STREAK and bound > 0:
                     # waited for at once, the last times: run it here, except every
                     # _SYNC_PROBE-th push, which goes to the worker to look again
@@ -325,7 +333,7 @@ class ThreadedEngine(Engine):
                     q = self._queues.get(op.key)
                     if q is not None and not q.busy and not q.heap and self._start_ok(op.budget):
                         q.busy += 1          # the device counts as busy while we run it here
-                        if not (tiny or wide):      # inline for the loop: until it waits
+                        if not (tiny or solo):      # inline for the loop: until it waits
                             self._fresh, self._fresh_inline = op, True
                     else:
                         q = None
@@ -348,15 +356,17 @@ class ThreadedEngine(Engine):
         wait behind them). An error is stored on the outputs and in the engine (raised at the
         next sync point), as for a pushed op. Every 8th run is timed into the cost key's
         average."""
-        if self._gap is not None:           # the frontend is back in the engine
-            self._gap_end()
         cell = self._cost.get(cost_key)
         if cell is None or cell[0] is None:
-            return False
+            return False                    # (pushed instead: the push ends a gap)
+        g = self._gap
         if not cell[0] < self.inline_s:
-            if cell[1] >= 2 and self._wide_inline(cell, self.inline_s):
-                return self._run_wide(kernel, arrays, outs, attrs, device, cell, name)
+            if g is not None:               # the frontend is back with a real op
+                self._gap_end()
+            if cell[1] >= 2 and self._overlaps_nothing(cell, self.inline_s):
+                return self._run_idle(kernel, arrays, outs, attrs, device, cell, name)
             return False
+        t_in = _now() if g is not None else 0.0
         if self.profiler is not None:
             return False
         b = self._bulk.buf
@@ -383,20 +393,22 @@ class ThreadedEngine(Engine):
                     self._ended(budget)
         if err is not None:
             self._keep_error(err)
+        if g is not None and g is self._gap:    # a tiny op's run is compute, not frontend
+            g[3] += _now() - t_in              # work: left out of the gap
         return True
 
-    def _wide_inline(self, cell, bound):
-        """Whether an op of ``cell`` should run in the pushing thread for filling the cores
-        (see the class docstring): its GEMMs did, the budget covers every core, and the
-        frontend does not usually keep working for long after pushing it."""
-        gap = cell[5]
-        return (cell[4] and bound > 0 and self._wide
-                and (gap is None or gap < _GAP_SHARE * cell[0]))
+    def _overlaps_nothing(self, cell, bound):
+        """Whether a (not tiny) device op of ``cell`` should run in the pushing thread: the
+        process has one compute worker, and the frontend does not usually keep working for
+        long after pushing such an op (see the class docstring)."""
+        gap, c = cell[5], cell[0]
+        return (bound > 0 and self._solo and c is not None
+                and (gap is None or gap < _GAP_SHARE * c))
 
-    def _run_wide(self, kernel, arrays, outs, attrs, device, cell, name):
-        """:meth:`run_ready` for an op whose GEMMs fill the cores: run it now, without making
-        an op, when its inputs are ready and its device is idle (as a pushed one would run
-        inline, minus the op's bookkeeping). Returns False when it cannot."""
+    def _run_idle(self, kernel, arrays, outs, attrs, device, cell, name):
+        """:meth:`run_ready` for a device op that overlaps nothing: run it now, without
+        making an op, when its inputs are ready and its device is idle (as a pushed one would
+        run inline, minus the op's bookkeeping). Returns False when it cannot."""
         if self.profiler is not None:
             return False
         b = self._bulk.buf
@@ -427,7 +439,7 @@ class ThreadedEngine(Engine):
                 self._ended(budget)
         if err is not None:
             self._keep_error(err)
-        self._gap = (cell, _get_ident(), _now())    # as after a push (see _push_op)
+        self._gap = [cell, _get_ident(), _now(), 0.0]   # as after a push (see _push_op)
         return True
 
     def learned_seconds(self, cost_key):
