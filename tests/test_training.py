@@ -1,4 +1,5 @@
 """End-to-end training: `hybridl train` / `hybridl export` as a user runs them, and fit()."""
+import contextlib
 import os
 import re
 import subprocess
@@ -345,6 +346,79 @@ def test_a_failed_step_does_not_count_for_adam(compiled):
     assert t1 == t0 == [2, 2]
     for a, b in zip(w1, w0):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["eager", "hybridized", "train_step"])
+def test_a_batchs_own_error_is_raised_where_its_loss_is_read_not_by_the_step(mode):
+    """A bad label: the error is raised by ``loss.asnumpy()`` after the step, as the README
+    says, also when the loss op ran at its push (one device: ops run in the calling thread)
+    and its error was stored before ``trainer.step``; the step (or TrainStep call) of that
+    batch never raises it, and training goes on."""
+    rng = np.random.RandomState(0)
+    net = hl.nn.HybridSequential()
+    net.add(hl.nn.Dense(16, activation="relu", in_units=64), hl.nn.Dense(10, in_units=16))
+    net.initialize()
+    if mode != "eager":
+        net.hybridize()
+    loss_fn = hl.loss.SoftmaxCrossEntropyLoss()
+    tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.05})
+    step = hl.TrainStep(net, loss_fn, tr) if mode == "train_step" else None
+    x = hl.nd.array(rng.rand(32, 64).astype("float32"))
+    caught = []
+    for i in range(8):
+        labels = rng.randint(0, 10, 32).astype("float32")
+        if i in (2, 5):
+            labels[3] = 12                  # out of range for 10 classes
+        y = hl.nd.array(labels)
+        if step is not None:
+            loss = step(x, y)
+        else:
+            with autograd.record():
+                loss = loss_fn(net(x), y)
+            loss.backward()
+            tr.step(32)
+        try:
+            loss.asnumpy()
+        except hl.OpError:
+            caught.append(i)
+            with contextlib.suppress(hl.OpError):
+                hl.waitall()
+    assert caught == [2, 5]
+    hl.waitall()
+
+
+def test_ctrl_c_inside_a_train_step_before_its_updates_leaves_the_model_usable():
+    """Ctrl-C while a TrainStep program runs in the main thread (it runs at its push on one
+    device) before any update: KeyboardInterrupt reaches the program, only that step's loss
+    is failed, and the next step trains from the unchanged weights (they used to stay failed
+    for good: the program caught Exception only)."""
+    rng = np.random.RandomState(0)
+    net = hl.nn.HybridSequential()
+    net.add(hl.nn.Dense(8, activation="relu", in_units=6), hl.nn.Dense(3, in_units=8))
+    net.initialize()
+    tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+    step = hl.TrainStep(net, hl.loss.SoftmaxCrossEntropyLoss(), tr)
+    x = hl.nd.array(rng.rand(4, 6).astype("float32"))
+    y = hl.nd.array(np.array([0, 1, 2, 0], np.float32))
+    step(x, y).asnumpy()
+    before = [p.data().asnumpy() for p in net.collect_params().values()]
+    (e,) = step._cache.entries.values()
+    prog = e.prog
+    real = prog.fn
+
+    def interrupted(*a, **k):               # Ctrl-C arriving inside the program
+        prog.fn = real
+        raise KeyboardInterrupt
+    prog.fn = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        step(x, y).asnumpy()
+        hl.waitall()
+    with contextlib.suppress(hl.OpError):
+        hl.waitall()
+    for p, b in zip(net.collect_params().values(), before):
+        np.testing.assert_array_equal(p.data().asnumpy(), b)      # readable, unchanged
+    assert np.isfinite(step(x, y).asnumpy()).all()                # and training goes on
+    assert not np.array_equal(net[0].weight.data().asnumpy(), before[0])
 
 
 def test_an_error_no_sync_point_raised_stops_the_next_step():

@@ -82,6 +82,11 @@ def _interrupted(e):
     return isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread()
 
 
+# Training steps seen by Engine.raise_unreported (Trainer.step, TrainStep calls): an op's
+# error is raised there only from the step after the one that pushed it
+_EPOCH = [0]
+
+
 class OpError(RuntimeError):
     """An exception raised inside an engine op, re-raised at a sync point.
 
@@ -94,6 +99,7 @@ class OpError(RuntimeError):
         self.op_name = op_name
         self.original = original
         self.reported = False       # raised to the program once (a sync point, raise_unreported)
+        self.epoch = _EPOCH[0]      # the training step its op was pushed in (raise_unreported)
         super().__init__(
             f"operator {op_name!r} failed: {type(original).__name__}: {original}\n"
             f"--- original traceback (in the engine worker) ---\n{tb_text}"
@@ -108,7 +114,7 @@ class _BulkState(threading.local):
 class _Op:
     __slots__ = ("fn", "reads", "writes", "key", "priority", "name", "pending",
                  "dependents", "done", "event", "meta", "seq", "pure", "cell", "skip_clean",
-                 "budget")
+                 "budget", "epoch")
 
     def __init__(self, fn, reads, writes, key, priority, name, meta, pure=False,
                  skip_clean=False):
@@ -127,6 +133,7 @@ class _Op:
         self.cell = None            # threaded engine: the cost cell of the op's key (ThreadedEngine)
         self.skip_clean = skip_clean    # skipped for a failed input: its writes stay clean
         self.budget = None          # BLAS threads it runs with (set at push; None: no GEMMs)
+        self.epoch = _EPOCH[0]      # the training step it was pushed in (see raise_unreported)
 
     def __lt__(self, other):            # heap order: higher priority first, then FIFO
         return (-self.priority, self.seq) < (-other.priority, other.seq)
@@ -299,17 +306,22 @@ class Engine:
     def raise_unreported(self):
         """Raise the first error kept for ``waitall()`` that was never raised to the program
         (no sync point waited for the failed op's results: e.g. a gradient op, whose update
-        was then skipped); it is marked raised, and ``waitall()`` still reports it once. The
-        Trainer calls this at every step, so that a failing backward stops the training loop
-        instead of every update being skipped in silence. Does not wait for running ops.
+        was then skipped) and whose op was pushed before the previous call; it is marked
+        raised, and ``waitall()`` still reports it once. The Trainer (and TrainStep) calls this
+        at every step, so that a failing backward stops the training loop instead of every
+        update being skipped in silence; an op of the current step is left to the program's
+        own sync points (its loss read after the step: that batch's error is raised there,
+        whether the op ran at its push or on a worker). Does not wait for running ops.
 
         Raises:
             OpError: that error.
         """
+        cur = _EPOCH[0]
+        _EPOCH[0] = cur + 1
         if not self._errors:
             return
         with self._err_lock:
-            err = next((e for e in self._errors if not e.reported), None)
+            err = next((e for e in self._errors if not e.reported and e.epoch < cur), None)
             if err is None:
                 return
             err.reported = True
@@ -506,6 +518,7 @@ class Engine:
             # others take the error (a TrainStep that failed before any update: its loss)
             marked = getattr(e, "hybridl_failed_writes", None)
             err = _op_error(op.name, e)
+            err.epoch = op.epoch
             for w in op.writes if marked is None else marked:
                 if not w.keep_clean:
                     w.exc = err

@@ -127,8 +127,8 @@ class ThreadedEngine(Engine):
     nothing but the frontend can run beside an op, and a ready op whose device is idle runs
     in the pushing thread, eager ops without even making an engine op, unless the frontend,
     after pushing such an op, usually runs Python for more than half the op's run time before
-    it pushes another op that is not tiny or waits (tiny ops run meanwhile do not count;
-    moving average per cost key): then the op overlaps that work on the worker. Beside a
+    it pushes another op that is not tiny or waits (tiny ops run or pushed meanwhile do not
+    count; moving average per cost key): then the op overlaps that work on the worker. Beside a
     short burst of frontend code the hand-over costs more than the overlap gains, and a
     product on every core loses time too:
     the frontend takes a core from the BLAS threads and OpenBLAS's static split waits for the
@@ -240,23 +240,31 @@ class ThreadedEngine(Engine):
 
     # ------------------------------------------------------------------ scheduling
     def _push_op(self, op):
-        if self._gap is not None:
-            self._gap_end()
+        g = self._gap
+        t_in = _now() if g is not None else 0.0
         self._push(op)
         cell = op.cell
-        if cell is not None and op.budget is not None:   # a device's op: time the frontend's
-            self._gap = [cell, _get_ident(), _now(), 0.0]   # work until it is back
+        tiny = cell is not None and cell[0] is not None and cell[0] < self.inline_s
+        if g is not None and g is self._gap:
+            if tiny:                        # (run here, or queued behind the timed op)
+                g[3] += _now() - t_in
+            else:
+                self._gap_end(t_in)
+        if cell is not None and op.budget is not None and not tiny:
+            # a device's op: time the frontend's work until it is back (_GAP_SHARE)
+            self._gap = [cell, _get_ident(), _now(), 0.0]
 
-    def _gap_end(self):
-        """The frontend is back in the engine with an op that is not tiny, or a wait: the
-        time since it pushed the last device op, less the tiny ops it ran at once meanwhile
-        (compute, often on that op's result), is Python work that op could have overlapped;
-        folded into the op's average (cost cell index 5, see _GAP_SHARE). Other threads'
-        returns are not this frontend's: ignored."""
+    def _gap_end(self, t_end=None):
+        """The frontend is back in the engine with an op that is not tiny, or a wait (at
+        ``t_end``, default now): the time since it pushed the last device op that is not
+        tiny, less the tiny ops it ran or pushed meanwhile (compute or bookkeeping, often on
+        that op's result), is Python work that op could have overlapped; folded into the
+        op's average (cost cell index 5, see _GAP_SHARE). Other threads' returns are not
+        this frontend's: ignored."""
         g = self._gap
         self._gap = None
         if g is not None and g[1] == _get_ident():
-            cell, dt = g[0], _now() - g[2] - g[3]
+            cell, dt = g[0], (_now() if t_end is None else t_end) - g[2] - g[3]
             old = cell[5]
             cell[5] = dt if old is None else old + 0.25 * (dt - old)
 

@@ -583,7 +583,7 @@ class TrainStep:
             arrays = [data._data, label._data] + [a._data for a in pvals] + [hp]
             try:
                 res = fn(*arrays, _rng=rs.gen) if rs is not None else fn(*arrays)
-            except Exception as err:
+            except BaseException as err:    # (Ctrl-C too: run in the main thread)
                 if not e.updated:   # failed before any update: weights, states, statistics
                     # as they were (only the outputs take the error)
                     err.hybridl_failed_writes = [v._var for v in (loss, out) if v is not None]

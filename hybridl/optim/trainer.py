@@ -209,9 +209,11 @@ class Trainer:
 
         Raises:
             ValueError: batch_size <= 0.
-            OpError: an op failed (e.g. in an earlier step's backward) and no sync point raised
-                its error yet; raised after this step's update was pushed. An update skipped
-                because its gradient failed leaves the weights as they were.
+            OpError: an op pushed in an earlier step failed (e.g. in that step's backward)
+                and no sync point raised its error yet; raised after this step's update was
+                pushed. Errors of this step's own ops are left to the program's sync points
+                (its loss read after the step). An update skipped because its gradient failed
+                leaves the weights as they were.
         """
         check_batch_size(batch_size)
         if not self._warned_unfrozen and any(p.grad_req != "null" for p in self._frozen):
