@@ -388,10 +388,10 @@ def test_a_batchs_own_error_is_raised_where_its_loss_is_read_not_by_the_step(mod
 
 
 def test_ctrl_c_inside_a_train_step_before_its_updates_leaves_the_model_usable():
-    """Ctrl-C while a TrainStep program runs in the main thread (it runs at its push on one
-    device) before any update: KeyboardInterrupt reaches the program, only that step's loss
-    is failed, and the next step trains from the unchanged weights (they used to stay failed
-    for good: the program caught Exception only)."""
+    """Ctrl-C while a TrainStep program runs (in the main thread when it runs at its push on
+    one device) before any update: only that step's loss is failed, and the next step trains
+    from the unchanged weights (they used to stay failed for good: the program caught
+    Exception only)."""
     rng = np.random.RandomState(0)
     net = hl.nn.HybridSequential()
     net.add(hl.nn.Dense(8, activation="relu", in_units=6), hl.nn.Dense(3, in_units=8))
@@ -410,9 +410,10 @@ def test_ctrl_c_inside_a_train_step_before_its_updates_leaves_the_model_usable()
         prog.fn = real
         raise KeyboardInterrupt
     prog.fn = interrupted
-    with pytest.raises(KeyboardInterrupt):
+    # in the main thread (one device: the step runs at its push) Ctrl-C goes on to the
+    # program; on a worker (this process used other devices before) it is the step's error
+    with pytest.raises((KeyboardInterrupt, hl.OpError)):
         step(x, y).asnumpy()
-        hl.waitall()
     with contextlib.suppress(hl.OpError):
         hl.waitall()
     for p, b in zip(net.collect_params().values(), before):
