@@ -126,9 +126,10 @@ class ThreadedEngine(Engine):
     budget then gives it every core, see :meth:`~hybridl.engine.base.Engine.blas_budget`),
     nothing but the frontend can run beside an op, and a ready op whose device is idle runs
     in the pushing thread, eager ops without even making an engine op, unless the frontend,
-    after pushing such an op, usually runs Python for more than half the op's run time before
-    it pushes another op that is not tiny or waits (tiny ops run or pushed meanwhile do not
-    count; moving average per cost key): then the op overlaps that work on the worker. Beside a
+    after pushing such an op, usually goes on with work of its own (Python, or waiting for
+    files) for more than half the op's run time before it pushes another op that is not tiny
+    or waits (tiny ops run or pushed meanwhile do not count; a moving average per cost key,
+    one outlier capped): then the op overlaps that work on the worker. Beside a
     short burst of frontend code the hand-over costs more than the overlap gains, and a
     product on every core loses time too:
     the frontend takes a core from the BLAS threads and OpenBLAS's static split waits for the
@@ -258,15 +259,17 @@ class ThreadedEngine(Engine):
         """The frontend is back in the engine with an op that is not tiny, or a wait (at
         ``t_end``, default now): the time since it pushed the last device op that is not
         tiny, less the tiny ops it ran or pushed meanwhile (compute or bookkeeping, often on
-        that op's result), is Python work that op could have overlapped; folded into the
-        op's average (cost cell index 5, see _GAP_SHARE). Other threads' returns are not
-        this frontend's: ignored."""
+        that op's result), is work that op could have overlapped (Python, or waiting for
+        files: wall time); folded into the op's average (cost cell index 5, see _GAP_SHARE),
+        each sample capped at 4x the average (at least 50 us): one time slice lost to
+        another program does not flip the op to the worker, while lasting work gets there
+        in a few pushes. Other threads' returns are not this frontend's: ignored."""
         g = self._gap
         self._gap = None
         if g is not None and g[1] == _get_ident():
             cell, dt = g[0], (_now() if t_end is None else t_end) - g[2] - g[3]
             old = cell[5]
-            cell[5] = dt if old is None else old + 0.25 * (dt - old)
+            cell[5] = dt if old is None else old + 0.25 * (min(dt, max(4.0 * old, 5e-5)) - old)
 
     def _push(self, op):
         budget = self._op_budget(op.key)
