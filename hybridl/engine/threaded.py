@@ -127,9 +127,9 @@ class ThreadedEngine(Engine):
     nothing but the frontend can run beside an op, and a ready op whose device is idle runs
     in the pushing thread, eager ops without even making an engine op, unless the frontend,
     after pushing such an op, usually goes on with work of its own (Python, or waiting for
-    files) for more than half the op's run time before it pushes another op that is not tiny
-    or waits (tiny ops run or pushed meanwhile do not count; a moving average per cost key,
-    one outlier capped): then the op overlaps that work on the worker. Beside a
+    files) for more than half the op's run time before it pushes another op or waits (tiny
+    ops run at once, and ops queued behind unfinished work, do not count; a moving average
+    per cost key, one outlier capped): then the op overlaps that work on the worker. Beside a
     short burst of frontend code the hand-over costs more than the overlap gains, and a
     product on every core loses time too:
     the frontend takes a core from the BLAS threads and OpenBLAS's static split waits for the
@@ -244,22 +244,23 @@ class ThreadedEngine(Engine):
         g = self._gap
         t_in = _now() if g is not None else 0.0
         self._push(op)
-        cell = op.cell
-        tiny = cell is not None and cell[0] is not None and cell[0] < self.inline_s
         if g is not None and g is self._gap:
-            if tiny:                        # (run here, or queued behind the timed op)
-                g[3] += _now() - t_in
-            else:
-                self._gap_end(t_in)
-        if cell is not None and op.budget is not None and not tiny:
-            # a device's op: time the frontend's work until it is back (_GAP_SHARE)
+            if op.pending:                  # queued behind unfinished work (the timed op
+                g[3] += _now() - t_in       # itself, when it went to the worker): as if
+                return                      # that had run here, the frontend goes on
+            self._gap_end(t_in)
+        cell = op.cell
+        if (cell is not None and op.budget is not None
+                and not (cell[0] is not None and cell[0] < self.inline_s)):
+            # a device's op, not tiny: time the frontend's work until it is back (_GAP_SHARE)
             self._gap = [cell, _get_ident(), _now(), 0.0]
 
     def _gap_end(self, t_end=None):
-        """The frontend is back in the engine with an op that is not tiny, or a wait (at
-        ``t_end``, default now): the time since it pushed the last device op that is not
-        tiny, less the tiny ops it ran or pushed meanwhile (compute or bookkeeping, often on
-        that op's result), is work that op could have overlapped (Python, or waiting for
+        """The frontend is back in the engine with an op that can run now and is not tiny,
+        or a wait (at ``t_end``, default now): the time since it pushed the last device op
+        that is not tiny, less the tiny ops it ran meanwhile and the ops it queued behind
+        unfinished work (compute or bookkeeping, often on that op's result; measured as if
+        that op had run at its push), is work that op could have overlapped (Python, or waiting for
         files: wall time); folded into the op's average (cost cell index 5, see _GAP_SHARE),
         each sample capped at 4x the average (at least 50 us): one time slice lost to
         another program does not flip the op to the worker, while lasting work gets there
