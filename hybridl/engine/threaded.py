@@ -127,9 +127,10 @@ class ThreadedEngine(Engine):
     nothing but the frontend can run beside an op, and a ready op whose device is idle runs
     in the pushing thread, eager ops without even making an engine op, unless the frontend,
     after pushing such an op, usually goes on with work of its own (Python, or waiting for
-    files) for more than half the op's run time before it pushes another op or waits (tiny
-    ops run at once, and ops queued behind unfinished work, do not count; a moving average
-    per cost key, one outlier capped): then the op overlaps that work on the worker. Beside a
+    files) for a stretch longer than half the op's run time before it pushes another op or
+    waits (a stretch ends at each tiny op run at once or op queued behind unfinished work; a
+    moving average per cost key, one outlier capped): then the op overlaps that work on the
+    worker. Beside a
     short burst of frontend code the hand-over costs more than the overlap gains, and a
     product on every core loses time too:
     the frontend takes a core from the BLAS threads and OpenBLAS's static split waits for the
@@ -200,7 +201,7 @@ class ThreadedEngine(Engine):
         self._mode_cv = threading.Condition(self._lock)
         self._gating = False           # the budget has changed once: run_ready takes the lock
         self._solo = True              # one compute worker in the process (_budget_changed)
-        self._gap = None               # [cell, thread, time, tiny-op time] of the last push
+        self._gap = None               # [cell, thread, last engine exit, longest stretch]
 
     # ------------------------------------------------------------------ BLAS budget
     def _workers_per_key(self):
@@ -246,8 +247,10 @@ class ThreadedEngine(Engine):
         self._push(op)
         if g is not None and g is self._gap:
             if op.pending:                  # queued behind unfinished work (the timed op
-                g[3] += _now() - t_in       # itself, when it went to the worker): as if
-                return                      # that had run here, the frontend goes on
+                if t_in - g[2] > g[3]:      # itself, when it went to the worker): as if
+                    g[3] = t_in - g[2]      # that had run here, the frontend goes on
+                g[2] = _now()
+                return
             self._gap_end(t_in)
         cell = op.cell
         if (cell is not None and op.budget is not None
@@ -257,20 +260,22 @@ class ThreadedEngine(Engine):
 
     def _gap_end(self, t_end=None):
         """The frontend is back in the engine with an op that can run now and is not tiny,
-        or a wait (at ``t_end``, default now): the time since it pushed the last device op
-        that is not tiny, less the tiny ops it ran meanwhile and the ops it queued behind
-        unfinished work (compute or bookkeeping, often on that op's result; measured as if
-        that op had run at its push), is work that op could have overlapped (Python, or waiting for
+        or a wait (at ``t_end``, default now): since it pushed the last device op that is not
+        tiny, the longest stretch of its own work between two uses of the engine (a tiny op
+        run at once, an op queued behind unfinished work: often that op's result, measured
+        as if it had run at its push) is work that op could have overlapped (async gains from
+        long stretches; short ones between dependent tiny ops cost more in hand-overs and GIL
+        switches than they overlap) (Python, or waiting for
         files: wall time); folded into the op's average (cost cell index 5, see _GAP_SHARE),
-        each sample capped at 4x the average (at least 50 us): one time slice lost to
-        another program does not flip the op to the worker, while lasting work gets there
-        in a few pushes. Other threads' returns are not this frontend's: ignored."""
+        each sample capped at 4x the average (at least 50 us; the average starts at 0): one
+        time slice lost to another program, or a first call's set-up, does not flip the op to
+        the worker, while lasting work gets there in a few pushes. Other threads' returns are not this frontend's: ignored."""
         g = self._gap
         self._gap = None
         if g is not None and g[1] == _get_ident():
-            cell, dt = g[0], (_now() if t_end is None else t_end) - g[2] - g[3]
-            old = cell[5]
-            cell[5] = dt if old is None else old + 0.25 * (min(dt, max(4.0 * old, 5e-5)) - old)
+            cell, dt = g[0], max(g[3], (_now() if t_end is None else t_end) - g[2])
+            old = cell[5] or 0.0            # (the first sample capped too: a first call's
+            cell[5] = old + 0.25 * (min(dt, max(4.0 * old, 5e-5)) - old)   # set-up is no trend)
 
     def _push(self, op):
         budget = self._op_budget(op.key)
@@ -406,7 +411,9 @@ class ThreadedEngine(Engine):
         if err is not None:
             self._keep_error(err)
         if g is not None and g is self._gap:    # a tiny op's run is compute, not frontend
-            g[3] += _now() - t_in              # work: left out of the gap
+            if t_in - g[2] > g[3]:             # work: a stretch of the frontend's own work
+                g[3] = t_in - g[2]             # ended at its start
+            g[2] = _now()
         return True
 
     def _overlaps_nothing(self, cell, bound):
