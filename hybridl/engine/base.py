@@ -130,7 +130,7 @@ class _Op:
         self.done = False
         self.event = None
         self.pure = pure
-        self.cell = None            # threaded engine: the cost cell of the op's key (ThreadedEngine)
+        self.cell = None            # threaded engine: the cost cell of the op's key
         self.skip_clean = skip_clean    # skipped for a failed input: its writes stay clean
         self.budget = None          # BLAS threads it runs with (set at push; None: no GEMMs)
         self.epoch = _EPOCH[0]      # the training step it was pushed in (see raise_unreported)

@@ -260,16 +260,17 @@ class ThreadedEngine(Engine):
 
     def _gap_end(self, t_end=None):
         """The frontend is back in the engine with an op that can run now and is not tiny,
-        or a wait (at ``t_end``, default now): since it pushed the last device op that is not
-        tiny, the longest stretch of its own work between two uses of the engine (a tiny op
-        run at once, an op queued behind unfinished work: often that op's result, measured
-        as if it had run at its push) is work that op could have overlapped (async gains from
-        long stretches; short ones between dependent tiny ops cost more in hand-overs and GIL
-        switches than they overlap) (Python, or waiting for
-        files: wall time); folded into the op's average (cost cell index 5, see _GAP_SHARE),
-        each sample capped at 4x the average (at least 50 us; the average starts at 0): one
-        time slice lost to another program, or a first call's set-up, does not flip the op to
-        the worker, while lasting work gets there in a few pushes. Other threads' returns are not this frontend's: ignored."""
+        or a wait (at ``t_end``, default now). Since it pushed the last device op that is not
+        tiny, its longest stretch of own work (Python, or waiting for files: wall time)
+        between two uses of the engine (a tiny op run at once; an op queued behind unfinished
+        work, often that op's result: measured as if that op had run at its push) is work the
+        op could have overlapped: async gains from long stretches, while short ones between
+        dependent tiny ops cost more in hand-overs and GIL switches than they overlap. Folded
+        into the op's average (cost cell index 5, see _GAP_SHARE), each sample capped at 4x
+        the average (at least 50 us; the average starts at 0): a time slice lost to another
+        program, or a first call's set-up, does not flip the op to the worker, while lasting
+        work gets there in a few pushes. Other threads' returns are not this frontend's:
+        ignored."""
         g = self._gap
         self._gap = None
         if g is not None and g[1] == _get_ident():
