@@ -310,6 +310,18 @@ def test_a_failed_batch_skips_one_update_and_training_goes_on(engine):
     np.testing.assert_array_equal(o1, o0)
 
 
+def _train_once(net, loss_fn, trainer, step, x, y):
+    """One training step: ``step(x, y)`` (a TrainStep) when given, else the Gluon loop
+    (record, backward, ``trainer.step``). Returns the loss, not waited for."""
+    if step is not None:
+        return step(x, y)
+    with autograd.record():
+        loss = loss_fn(net(x), y)
+    loss.backward()
+    trainer.step(x.shape[0])
+    return loss
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_failed_step_does_not_count_for_adam(compiled):
     """Adam's bias correction uses each parameter's update count t: a step that failed (a bad
@@ -326,14 +338,7 @@ def test_a_failed_step_does_not_count_for_adam(compiled):
         for labels in labels_seq:
             y = hl.nd.array(np.array(labels), dtype="float32")
             try:
-                if step is not None:
-                    loss = step(x, y)
-                else:
-                    with autograd.record():
-                        loss = loss_fn(net(x), y)
-                    loss.backward()
-                    trainer.step(4)
-                loss.asnumpy()
+                _train_once(net, loss_fn, trainer, step, x, y).asnumpy()
             except hl.OpError:
                 with pytest.raises(hl.OpError):
                     hl.waitall()
@@ -370,13 +375,7 @@ def test_a_batchs_own_error_is_raised_where_its_loss_is_read_not_by_the_step(mod
         if i in (2, 5):
             labels[3] = 12                  # out of range for 10 classes
         y = hl.nd.array(labels)
-        if step is not None:
-            loss = step(x, y)
-        else:
-            with autograd.record():
-                loss = loss_fn(net(x), y)
-            loss.backward()
-            tr.step(32)
+        loss = _train_once(net, loss_fn, tr, step, x, y)
         try:
             loss.asnumpy()
         except hl.OpError:

@@ -385,16 +385,8 @@ class ThreadedEngine(Engine):
                 return self._run_idle(kernel, arrays, outs, attrs, device, cell, name)
             return False
         t_in = _now() if g is not None else 0.0
-        if self.profiler is not None:
+        if not self._may_run_now(arrays):
             return False
-        b = self._bulk.buf
-        if b is not None and b["ops"]:      # grouped ops not pushed yet: this one joins them
-            return False
-        for a in arrays:
-            v = a._var
-            w = v._writer
-            if (w is not None and not w.done) or v.exc is not None:
-                return False
         budget = self._op_budget(device)
         counted = self._gating              # several budgets in this process: run with its own
         if counted:                         # (read once: another thread may turn it on now)
@@ -417,6 +409,22 @@ class ThreadedEngine(Engine):
             g[2] = _now()
         return True
 
+    def _may_run_now(self, arrays):
+        """Whether a kernel reading ``arrays`` may run now without an op: no profiler (it
+        records ops), no bulk group being filled (the op joins it), and every input's last
+        write has run without an error (a failed input is passed on by a pushed op)."""
+        if self.profiler is not None:
+            return False
+        b = self._bulk.buf
+        if b is not None and b["ops"]:
+            return False
+        for a in arrays:
+            v = a._var
+            w = v._writer
+            if (w is not None and not w.done) or v.exc is not None:
+                return False
+        return True
+
     def _overlaps_nothing(self, cell, bound):
         """Whether a (not tiny) device op of ``cell`` should run in the pushing thread: the
         process has one compute worker, and the frontend does not usually keep working for
@@ -429,16 +437,8 @@ class ThreadedEngine(Engine):
         """:meth:`run_ready` for a device op that overlaps nothing: run it now, without
         making an op, when its inputs are ready and its device is idle (as a pushed one would
         run inline, minus the op's bookkeeping). Returns False when it cannot."""
-        if self.profiler is not None:
+        if not self._may_run_now(arrays):
             return False
-        b = self._bulk.buf
-        if b is not None and b["ops"]:
-            return False
-        for a in arrays:
-            v = a._var
-            w = v._writer
-            if (w is not None and not w.done) or v.exc is not None:
-                return False
         budget = self._op_budget(device)
         with self._lock:
             q = self._queues.get(device)
