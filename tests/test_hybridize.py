@@ -422,6 +422,72 @@ def test_set_data_and_trainer_updates_are_seen():
     np.testing.assert_allclose(yh2, ye2, rtol=1e-5, atol=1e-6)
 
 
+def test_repeat_calls_see_every_change_that_the_full_lookup_sees():
+    """A repeated call with the last call's signature skips the cache lookup (the block's
+    fast path); each change below must still reach it: the result always equals the eager
+    network's, and programs/hits are counted as by the full lookup."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 5)).astype(np.float32)
+    eager, hyb = _mlp(), _mlp()
+    _set(hyb, _randomize(eager, x))
+    hyb.hybridize()
+
+    def same(X, record=False):
+        outs, grads = [], []
+        for net in (eager, hyb):
+            if record:
+                X.attach_grad()
+                with autograd.record():
+                    y = net(X)
+                    loss = nd.sum(y * y)
+                loss.backward()
+                grads.append(X.grad.asnumpy().copy())
+            else:
+                y = net(X)
+            outs.append(y.asnumpy())
+        np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+        if record:
+            np.testing.assert_allclose(grads[1], grads[0], rtol=1e-5, atol=1e-6)
+
+    X = nd.array(x)
+    for _ in range(3):
+        same(X)
+    assert hyb.cache_info().hits == 2 and hyb.cache_info().programs == 1
+    # new arrays for a parameter (initialize again), then a new grad_req
+    for net in (eager, hyb):
+        net[0].weight.initialize(hl.init.Constant(0.25), force_reinit=True)
+    same(X)
+    same(X, record=True)
+    for net in (eager, hyb):
+        net[0].weight.grad_req = "null"
+    same(nd.array(x), record=True)
+    assert hyb[0].weight.grad_req == "null"
+    # another batch size, then back: both programs reused, each call correct
+    x2 = rng.standard_normal((2, 5)).astype(np.float32)
+    for a in (x2, x, x2, x):
+        same(nd.array(a))
+    # training mode (no Dropout: the same values, another program); float64 data
+    with autograd.train_mode():
+        same(X)
+    same(X)
+    with pytest.raises(TypeError, match="dtype"):           # float64 data, float32 weights
+        hyb(nd.array(x.astype(np.float64)))
+    same(X)
+    # a child added: the cache is cleared, and the new layer is used
+    for net in (eager, hyb):
+        net.add(nn.Dense(2, in_units=3))
+        net[-1].initialize(hl.init.Constant(0.5))
+    n_before = hyb.cache_info().misses
+    same(X)
+    same(X)
+    assert hyb.cache_info().misses == n_before + 1
+    # hybridize() again: a new program, still equal
+    hyb.hybridize()
+    same(X)
+    same(X)
+    assert hyb.cache_info().programs == 1
+
+
 # ---------------------------------------------------------------------------- jit
 
 

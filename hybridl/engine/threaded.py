@@ -274,9 +274,15 @@ class ThreadedEngine(Engine):
         g = self._gap
         self._gap = None
         if g is not None and g[1] == _get_ident():
-            cell, dt = g[0], max(g[3], (_now() if t_end is None else t_end) - g[2])
+            dt = (_now() if t_end is None else t_end) - g[2]
+            if dt < g[3]:
+                dt = g[3]
+            cell = g[0]
             old = cell[5] or 0.0            # (the first sample capped too: a first call's
-            cell[5] = old + 0.25 * (min(dt, max(4.0 * old, 5e-5)) - old)   # set-up is no trend)
+            cap = 4.0 * old                 # set-up is no trend)
+            if dt > cap:
+                dt = cap if cap > 5e-5 else min(dt, 5e-5)
+            cell[5] = old + 0.25 * (dt - old)
 
     def _push(self, op):
         budget = self._op_budget(op.key)
@@ -372,16 +378,19 @@ class ThreadedEngine(Engine):
         key has been taking less than ``inline_s`` and every input's last write has run (the
         device's worker may be busy with other, independent ops meanwhile: a tiny op does not
         wait behind them). An error is stored on the outputs and in the engine (raised at the
-        next sync point), as for a pushed op. Every 8th run is timed into the cost key's
-        average."""
+        next sync point), as for a pushed op. Some runs are timed into the cost key's
+        average (see Engine._execute)."""
         cell = self._cost.get(cost_key)
         if cell is None or cell[0] is None:
             return False                    # (pushed instead: the push ends a gap)
         g = self._gap
-        if not cell[0] < self.inline_s:
+        c = cell[0]
+        if not c < self.inline_s:
             if g is not None:               # the frontend is back with a real op
                 self._gap_end()
-            if cell[1] >= 2 and self._overlaps_nothing(cell, self.inline_s):
+            gap = cell[5]                   # (_overlaps_nothing, inline: the hot path)
+            if (cell[1] >= 2 and self._solo and self.inline_s > 0
+                    and (gap is None or gap < _GAP_SHARE * c)):
                 return self._run_idle(kernel, arrays, outs, attrs, device, cell, name)
             return False
         t_in = _now() if g is not None else 0.0
@@ -396,7 +405,8 @@ class ThreadedEngine(Engine):
         runs = cell[1]
         cell[1] = runs + 1
         try:
-            err = self._run_now(kernel, arrays, outs, attrs, name, None if runs & 7 else cell)
+            err = self._run_now(kernel, arrays, outs, attrs, name,
+                               None if runs & (7 if runs < 256 else 31) else cell)
         finally:
             if counted:
                 with self._lock:
@@ -440,21 +450,23 @@ class ThreadedEngine(Engine):
         if not self._may_run_now(arrays):
             return False
         budget = self._op_budget(device)
-        with self._lock:
+        lock = self._lock
+        with lock:
             q = self._queues.get(device)
             if q is None or q.busy or q.heap or not self._start_ok(budget):
                 return False
             q.busy += 1                     # the device is busy while it runs here
         runs = cell[1]
         cell[1] = runs + 1
-        timed = not runs & 7
         try:
-            w0 = _blas_module().wide_gemms() if timed else 0
-            err = self._run_now(kernel, arrays, outs, attrs, name, cell if timed else None)
-            if timed:
+            if runs & (7 if runs < 256 else 31):     # (see _execute, _untimed)
+                err = self._run_now(kernel, arrays, outs, attrs, name, None)
+            else:                           # timed
+                w0 = _blas_module().wide_gemms()
+                err = self._run_now(kernel, arrays, outs, attrs, name, cell)
                 cell[4] = _blas_module().wide_gemms() != w0
         finally:
-            with self._lock:
+            with lock:
                 q.busy -= 1
                 self._ended(budget)
         if err is not None:

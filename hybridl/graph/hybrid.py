@@ -18,7 +18,7 @@ import warnings
 import weakref
 
 from .. import autograd
-from ..ndarray import NDArray
+from ..ndarray import NDArray, _eager_exec
 from ..ops import math as M
 from ..ops.dispatch import apply
 from . import trace as _trace
@@ -327,13 +327,18 @@ def _param_arrays(params, dev):
     return pvals
 
 
-def _run(entry, args):
+def _run(entry, args, pvals=None):
+    """Run a cached entry on ``args`` (NDArrays on one device). ``pvals``: its parameters'
+    arrays on that device, already checked against the program (the fast path of
+    :func:`_fast_call`), else read and checked now."""
     dev = args[0].device if args else None
-    pvals = _param_arrays(entry.params, dev)
+    checked = pvals is not None
+    if not checked:
+        pvals = _param_arrays(entry.params, dev)
     if entry.fwd.op is None:
         outs = entry.fwd.run(list(args) + pvals)
     else:
-        outs = entry.fwd._run_arrays(list(args) + pvals, dev)
+        outs = entry.fwd._run_arrays([*args, *pvals], dev, checked)
     if entry.side_params:
         side = outs[-len(entry.side_params):]
         with autograd.pause(autograd.is_training()):
@@ -346,6 +351,52 @@ def _run(entry, args):
     if entry.single:
         return user[0]
     return list(user) if entry.as_list else tuple(user)
+
+
+def _fast_call(cache, entry, sig, args):
+    """A function ``f(args)`` that runs ``entry`` again, skipping the signature's hashing,
+    the cache lookup and the parameters' checks, while nothing it depends on has changed:
+    the same number of NDArray inputs with the same shapes, dtypes, devices and gradient
+    needs, the same training mode and recording, no child added anywhere (STRUCTURE_VERSION),
+    and no parameter's arrays or grad_req changed (``parameter.DATA_VERSION``); ``hybridize()``
+    drops it. Otherwise ``f`` returns None and the caller (``HybridBlock.__call__``) takes the
+    full path, :func:`call_cached`. None when ``entry`` does not qualify (a constant
+    program, NumPy inputs)."""
+    if entry.fwd.op is None or not args or any(type(a) is not NDArray for a in args):
+        return None
+    from ..nn import parameter as _parameter
+    ins, training, recording = sig
+    n = len(ins)
+    dev = ins[0][2]
+    pvals = _param_arrays(entry.params, dev)
+    specs = entry.fwd.in_specs[n:]
+    if len(pvals) != len(specs) or any(a.shape != s or a.dtype != d
+                                       for a, (s, d) in zip(pvals, specs)):
+        return None                         # the full path raises the descriptive error
+    structure, v_structure = _trace.STRUCTURE_VERSION, _trace.STRUCTURE_VERSION[0]
+    data, v_data = _parameter.DATA_VERSION, _parameter.DATA_VERSION[0]
+    ag = _AG
+    prog = entry.fwd
+    # one NDArray result, no parameter written: _run's steps, inlined
+    single = entry.single and entry.n_user == 1 and not entry.side_params and entry.treedef is None
+    op, ospecs, ckey = prog.op, prog.out_specs, prog._ckey
+
+    def fast(args):
+        if (len(args) != n or ag.training != training or ag.recording != recording
+                or structure[0] != v_structure or data[0] != v_data):
+            return None
+        for a, (shp, dt, d, req) in zip(args, ins):
+            if (type(a) is not NDArray or a.shape != shp or (a.dtype is not dt and a.dtype != dt)
+                    or (a.device is not d and a.device != d)
+                    or (a._ag is not None or a._grad_req != "null") is not req):
+                return None
+        cache.hits += 1
+        if not single:
+            return _run(entry, args, pvals)
+        outs = [NDArray(shp, dt, dev) for shp, dt in ospecs]
+        _eager_exec(op, [*args, *pvals], outs, ospecs, {}, dev, ckey)
+        return outs[0]
+    return fast
 
 
 def call_cached(block, args):
@@ -382,6 +433,7 @@ def call_cached(block, args):
         cache.entries[sig] = entry
         object.__setattr__(block, "_last_program", entry)
     block.__dict__["_last_call"] = entry       # what export() traces without example inputs
+    block.__dict__["_fast"] = _fast_call(cache, entry, sig, args)
     return _run(entry, args)
 
 

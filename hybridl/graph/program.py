@@ -82,20 +82,22 @@ class Program:
                       out_specs[0][0] if out_specs else None)
         self.compile_seconds = time.perf_counter() - t0
 
-    def _run_arrays(self, arrays, device):
+    def _run_arrays(self, arrays, device, checked=False):
         """Run on NDArrays already known to be on ``device`` (the caller guarantees it): the
-        fast path of a hybridized call (input shapes and dtypes checked against the program's,
-        output shapes the program's; no conversion). Returns a list of NDArrays. Users call
-        the program itself (``__call__``), which converts and checks everything.
+        fast path of a hybridized call (input shapes and dtypes checked against the program's
+        unless ``checked``, output shapes the program's; no conversion). Returns a list of
+        NDArrays. Users call the program itself (``__call__``), which converts and checks
+        everything.
 
         Raises:
             ValueError: wrong number of inputs, or an input's shape or dtype differs."""
-        specs = self.in_specs
-        if len(arrays) != len(specs):
-            self.op.infer(*arrays)                 # raises the descriptive error
-        for a, (shp, dt) in zip(arrays, specs):
-            if a.shape != shp or a.dtype != dt:
-                self.op.infer(*arrays)
+        if not checked:
+            specs = self.in_specs
+            if len(arrays) != len(specs):
+                self.op.infer(*arrays)             # raises the descriptive error
+            for a, (shp, dt) in zip(arrays, specs):
+                if a.shape != shp or a.dtype != dt:
+                    self.op.infer(*arrays)
         outs = [NDArray(shp, dt, device) for shp, dt in self.out_specs]
         _eager_exec(self.op, arrays, outs, self.out_specs, {}, device, self._ckey)
         return outs

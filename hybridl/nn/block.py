@@ -322,7 +322,7 @@ class HybridBlock(Block):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for k, v in self.__dict__.items():
-            if k in ("_hcache", "_last_program", "_last_call"):
+            if k in ("_hcache", "_last_program", "_last_call", "_fast"):
                 continue
             object.__setattr__(new, k, None if k == "_cached" else copy.deepcopy(v, memo))
         return new
@@ -352,6 +352,7 @@ class HybridBlock(Block):
         object.__setattr__(self, "_active", bool(active))
         object.__setattr__(self, "_hybrid_flags", dict(kwargs))
         object.__setattr__(self, "_cached", None)
+        object.__setattr__(self, "_fast", None)
         for c in self._children.values():       # children run inside the parent's program
             c.hybridize(False)
 
@@ -363,6 +364,11 @@ class HybridBlock(Block):
                     from ..graph import hybrid, trace
                     g[:] = [hybrid.call_cached, trace._tls]
                 if g[1].__dict__.get("ctx") is None:   # inside another trace: inline it
+                    fast = self.__dict__.get("_fast")  # the last call's program again
+                    if fast is not None:                # (see graph.hybrid._fast_call)
+                        out = fast(args)
+                        if out is not None:
+                            return out
                     return g[0](self, args)
             elif not self.__dict__.get("_warned_kwargs"):
                 from ..graph import trace

@@ -18,6 +18,10 @@ class DeferredInitializationError(RuntimeError):
 # one lock for every deferred initialization (rare: each parameter's first forward)
 _DEFERRED_LOCK = threading.RLock()
 
+# bumped whenever a parameter's copies (the NDArray objects of ``_data``) or its grad_req
+# change: a hybridized block keeps the arrays of its last call while this stays the same
+DATA_VERSION = [0]
+
 
 class Parameter:
     """A trainable (or state) array of a Block, with one copy per device.
@@ -76,6 +80,7 @@ class Parameter:
         if req not in ("write", "add", "null"):
             raise ValueError(f"grad_req: expected 'write', 'add' or 'null', got {req!r}")
         self._grad_req = req
+        DATA_VERSION[0] += 1
         if self._data is not None:
             for a in self._data.values():
                 a.attach_grad(req)
@@ -108,6 +113,7 @@ class Parameter:
                                  f"deferred initialization is not allowed")
             self._deferred = (chosen, devices)
             self._data = None
+            DATA_VERSION[0] += 1
             return
         self._init_now(chosen, devices)
 
@@ -125,6 +131,7 @@ class Parameter:
             data[d] = arr
         self._data = data                   # published complete (other threads read it)
         self._deferred = None
+        DATA_VERSION[0] += 1
 
     def _finish_deferred_init(self, shape):
         """Called by a layer on its first forward once it knows ``shape``. Thread-safe: when
@@ -240,6 +247,7 @@ class Parameter:
             if self._grad_req != "null":
                 arr.attach_grad(self._grad_req)
             self._data[d] = arr
+        DATA_VERSION[0] += 1
 
     def __repr__(self):
         return f"Parameter {self.name} (shape={self._shape}, dtype={self.dtype})"
