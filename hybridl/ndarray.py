@@ -19,6 +19,7 @@ from . import autograd as _ag
 from . import engine as _engine
 from .device import Device, cpu, current_device
 from .engine import Var
+from .engine.base import _DATA
 from .ops import math as M
 from .ops._util import F32, I64, as_dtype
 from .ops.dispatch import register_interpreter
@@ -60,7 +61,7 @@ class NDArray:
         Raises:
             OpError: the op computing this array (or one it depends on) failed.
         """
-        _engine.wait_for(self._var)
+        _engine._current.wait_for(self._var)     # (engine.wait_for, one frame less)
         return self
 
     def asnumpy(self):
@@ -691,7 +692,10 @@ def _eager(op, inputs, attrs):
                 raise TypeError(f"{op.name}: unsupported input type {type(x).__name__}; expected "
                                 f"NDArray, a number or a NumPy array")
     specs = op.infer(*arrs, **attrs)
-    outs = [NDArray(tuple(s), d, dev) for s, d in specs]
+    if len(specs) == 1:                    # (no list comprehension: a frame of its own)
+        outs = [NDArray(tuple(specs[0][0]), specs[0][1], dev)]
+    else:
+        outs = [NDArray(tuple(s), d, dev) for s, d in specs]
     _eager_exec(op, arrs, outs, specs, attrs, dev, (op, arrs[0].shape, outs[0].shape))
     return outs[0] if len(outs) == 1 else tuple(outs)
 
@@ -724,17 +728,17 @@ def _push_eager(eng, op, kernel, arrs, outs, specs, attrs, dev, ckey):
         writes.append(rs.var)
 
         def run():
-            res = kernel(*[a._data for a in arrs], _rng=rs.gen, **attrs)
+            res = kernel(*map(_DATA, arrs), _rng=rs.gen, **attrs)
             for o, r in zip(outs, res):
                 o._data = r
     elif len(outs) == 1:
         out = outs[0]
 
         def run():
-            out._data = kernel(*[a._data for a in arrs], **attrs)
+            out._data = kernel(*map(_DATA, arrs), **attrs)
     else:
         def run():
-            res = kernel(*[a._data for a in arrs], **attrs)
+            res = kernel(*map(_DATA, arrs), **attrs)
             for o, r in zip(outs, res):
                 o._data = r
     # pure kernel: the threaded engine may run it inline when tiny; cost key (op, shapes)

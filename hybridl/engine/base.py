@@ -21,11 +21,13 @@ they were, usable). The error is raised when a failed Var is waited for (``wait_
 ``waitall()``, and by :meth:`Engine.raise_unreported` (the Trainer calls it every step, so an
 error no sync point raised, e.g. in a gradient op whose update was then skipped, is not lost).
 """
+import operator
 import threading
 import time
 import traceback
 
 _now = time.perf_counter
+_DATA = operator.attrgetter("_data")   # an NDArray's value (no Python frame per call)
 _cpu = time.thread_time
 
 __all__ = ["Var", "OpError", "Engine"]
@@ -276,7 +278,7 @@ class Engine:
         ``cell``: the cost cell to time this run into, or None."""
         c0 = _cpu() if cell is not None else 0.0
         try:
-            res = kernel(*[a._data for a in arrays], **attrs)
+            res = kernel(*map(_DATA, arrays), **attrs)
             if len(outs) == 1:
                 outs[0]._data = res
             else:
@@ -299,7 +301,9 @@ class Engine:
         Raises:
             OpError: the last write of ``var`` (or an op it depended on) failed.
         """
-        self._flush_bulk()
+        b = self._bulk.buf
+        if b and b["ops"]:
+            self._flush_bulk()
         w = var._writer
         if w is not None:
             if not w.done:

@@ -380,6 +380,7 @@ def _fast_call(cache, entry, sig, args):
     # one NDArray result, no parameter written: _run's steps, inlined
     single = entry.single and entry.n_user == 1 and not entry.side_params and entry.treedef is None
     op, ospecs, ckey = prog.op, prog.out_specs, prog._ckey
+    (shape0, dtype0), n_out = ospecs[0], len(ospecs)
 
     def fast(args):
         if (len(args) != n or ag.training != training or ag.recording != recording
@@ -393,9 +394,10 @@ def _fast_call(cache, entry, sig, args):
         cache.hits += 1
         if not single:
             return _run(entry, args, pvals)
-        outs = [NDArray(shp, dt, dev) for shp, dt in ospecs]
+        out = NDArray(shape0, dtype0, dev)
+        outs = [out] if n_out == 1 else [out] + [NDArray(s, d, dev) for s, d in ospecs[1:]]
         _eager_exec(op, [*args, *pvals], outs, ospecs, {}, dev, ckey)
-        return outs[0]
+        return out
     return fast
 
 
