@@ -1055,7 +1055,9 @@ def test_dropout_before_a_deferred_layer_same_masks_and_weights_eager_and_hybrid
 
 @pytest.mark.parametrize("var,value", [("HYBRIDL_ENGINE", "foo"), ("HYBRIDL_NUM_WORKERS", "x"),
                                        ("HYBRIDL_NUM_WORKERS", "0"),
-                                       ("HYBRIDL_SWITCH_INTERVAL", "abc")])
+                                       ("HYBRIDL_SWITCH_INTERVAL", "abc"),
+                                       ("HYBRIDL_FUSION_THRESHOLD", "abc"),
+                                       ("HYBRIDL_FUSION_THRESHOLD", "-1")])
 def test_bad_environment_settings_name_the_variable(var, value):
     """HYBRIDL_NUM_WORKERS=x failed with int()'s message, HYBRIDL_SWITCH_INTERVAL=abc was
     silently ignored, and HYBRIDL_ENGINE=foo did not say where 'foo' came from."""
@@ -1063,8 +1065,8 @@ def test_bad_environment_settings_name_the_variable(var, value):
     import subprocess
     import sys
     env = dict(os.environ, **{var: value})
-    r = subprocess.run([sys.executable, "-c", "import hybridl"], env=env, capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", "import hybridl.graph"], env=env,
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert f"ValueError: {var}={value!r}: expected" in r.stderr.strip().splitlines()[-1]
 
