@@ -1205,3 +1205,45 @@ def test_push_refuses_an_unhashable_pure_key_on_both_engines(kind):
         eng.waitall()
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize("engine", ["threaded", "naive"])
+def test_skip_clean_lists_the_writes_that_take_a_failed_inputs_error(engine):
+    """push(skip_clean=[v, ...]): an op skipped because an input failed passes the error on
+    to the listed writes only; the others keep their values. An error raised by the op
+    itself still marks every write. A listed Var the op does not write is a TypeError."""
+    from hybridl.engine import Var
+
+    def push(fn, reads, writes, **kw):          # the naive engine raises at the push
+        try:
+            hl.engine.push(fn, reads, writes, **kw)
+        except hl.OpError:
+            assert engine == "naive"
+
+    def raises_once_more():
+        if engine == "threaded":
+            with pytest.raises(hl.OpError):
+                hl.waitall()
+    with hl.engine.set_engine(engine):
+        bad, loss, weight = Var("bad"), Var("loss"), Var("weight")
+        box = {"w": 1.0}
+
+        def fail():
+            raise ValueError("broken batch")
+        push(fail, [], [bad])
+
+        def step():
+            box["w"] += 1.0
+        push(step, [bad], [loss, weight], skip_clean=[loss])
+        with pytest.raises(hl.OpError, match="broken batch"):
+            hl.engine.wait_for(loss)
+        hl.engine.wait_for(weight)                      # clean: kept its value
+        assert box["w"] == 1.0 and weight.exc is None
+        raises_once_more()
+        # the op's own error marks every write, listed or not
+        push(fail, [], [loss, weight], skip_clean=[loss])
+        with pytest.raises(hl.OpError, match="broken batch"):
+            hl.engine.wait_for(weight)
+        raises_once_more()
+        with pytest.raises(TypeError, match="skip_clean"):
+            hl.engine.push(step, [], [loss], skip_clean=[weight])

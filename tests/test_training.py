@@ -505,6 +505,93 @@ def test_a_failed_train_step_leaves_weights_and_batch_norm_statistics_as_they_we
         np.testing.assert_array_equal(v1[k], v0[k], err_msg=k)
 
 
+@pytest.mark.parametrize("mode", ["eager", "hybridized", "TrainStep"])
+def test_a_batch_from_a_failed_op_leaves_weights_and_statistics_as_they_were(mode):
+    """A batch whose data comes from a failed op (hl.nd.take out of range): with the threaded
+    engine the BatchNorm running statistics (eager and hybridized loop) and, in a TrainStep,
+    the weights too took the batch's error, so every later step and inference raised it. Now
+    only the loss fails: [good, failed, good, good] equals [good, good, good], statistics
+    included, and inference works."""
+    def run(bad_at):
+        hl.random.seed(0)
+        net = hl.nn.HybridSequential()
+        net.add(hl.nn.Dense(8, in_units=5), hl.nn.BatchNorm(in_channels=8),
+                hl.nn.Dense(4, in_units=8))
+        net.initialize()
+        if mode != "eager":
+            net.hybridize()
+        loss_fn = hl.loss.SoftmaxCrossEntropyLoss()
+        trainer = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9})
+        step = hl.TrainStep(net, loss_fn, trainer) if mode == "TrainStep" else None
+        rng = np.random.default_rng(0)
+        data = hl.nd.array(rng.standard_normal((16, 5)).astype(np.float32))
+        y = hl.nd.array(rng.integers(0, 4, 16).astype(np.float32))
+        failed = 0
+        for i in range(4 if bad_at is not None else 3):
+            idx = np.arange(16) + (100 if i == bad_at else 0)        # 100+: out of range
+            x = hl.nd.take(data, hl.nd.array(idx), mode="raise")
+            try:
+                _train_once(net, loss_fn, trainer, step, x, y).asnumpy()
+            except hl.OpError:
+                failed += 1
+                try:
+                    hl.waitall()
+                except hl.OpError:
+                    pass
+        out = net(data).asnumpy()                          # inference works afterwards
+        return failed, {k: p.data().asnumpy() for k, p in net.collect_params().items()}, out
+    f1, v1, o1 = run(bad_at=1)
+    f0, v0, o0 = run(bad_at=None)
+    assert (f1, f0) == (1, 0)
+    assert any("running" in k for k in v1)
+    for k in v1:
+        np.testing.assert_array_equal(v1[k], v0[k], err_msg=k)
+    np.testing.assert_array_equal(o1, o0)
+
+
+def test_a_hybridized_forward_that_fails_leaves_batch_norm_statistics_as_they_were():
+    """A hybridized block whose forward fails in its own program (the loss inside it, a label
+    out of range) wrote its failed running statistics back into the BatchNorm parameters, so
+    every later call raised the old error (threaded engine). Now they keep their values."""
+    class WithLoss(hl.nn.HybridBlock):
+        def __init__(self):
+            super().__init__()
+            self.body = hl.nn.HybridSequential()
+            self.body.add(hl.nn.Dense(8, in_units=5), hl.nn.BatchNorm(in_channels=8),
+                          hl.nn.Dense(4, in_units=8))
+            self.loss = hl.loss.SoftmaxCrossEntropyLoss()
+
+        def forward(self, x, y):
+            return self.loss(self.body(x), y)
+
+    def run(labels_seq):
+        hl.random.seed(0)
+        net = WithLoss()
+        net.initialize()
+        net.hybridize()
+        x = hl.nd.array(np.random.default_rng(0).standard_normal((6, 5)).astype(np.float32))
+        res = []
+        for labels in labels_seq:
+            try:
+                with autograd.train_mode():
+                    res.append(float(net(x, hl.nd.array(labels)).asnumpy().sum()))
+            except hl.OpError:
+                res.append("failed")
+                try:
+                    hl.waitall()
+                except hl.OpError:
+                    pass
+        stats = {k: p.data().asnumpy() for k, p in net.collect_params().items() if "running" in k}
+        return res, stats
+    good = np.array([0, 1, 2, 3, 0, 1], np.float32)
+    bad = np.array([0, 1, 7, 3, 0, 1], np.float32)              # 7: not one of 4 classes
+    r1, s1 = run([good, bad, good, good])
+    r0, s0 = run([good, good, good])
+    assert r1[1] == "failed" and r1[:1] + r1[2:] == r0
+    for k in s1:
+        np.testing.assert_array_equal(s1[k], s0[k], err_msg=k)
+
+
 def test_save_states_after_a_handled_failure(tmp_path):
     """save_states waits for the optimizer states, not for everything: an error already
     raised at its sync point (and not yet by waitall) does not stop the checkpoint."""

@@ -17,7 +17,8 @@ original exception as ``__cause__`` and its formatted traceback in the message) 
 every Var the op writes. An op that reads a failed Var does not run and passes the error on to
 the Vars it writes, except to Vars marked ``keep_clean`` (the RNG) and from an op pushed with
 ``skip_clean`` (an optimizer update: skipped for a failed gradient, it leaves the weights as
-they were, usable). The error is raised when a failed Var is waited for (``wait_for``), by
+they were, usable; or only to the writes it lists: a training step whose batch failed fails
+its loss, not its weights). The error is raised when a failed Var is waited for (``wait_for``), by
 ``waitall()``, and by :meth:`Engine.raise_unreported` (the Trainer calls it every step, so an
 error no sync point raised, e.g. in a gradient op whose update was then skipped, is not lost).
 """
@@ -141,6 +142,7 @@ class _Op:
         self.pure = pure
         self.cell = None            # threaded engine: the cost cell of the op's key
         self.skip_clean = skip_clean    # skipped for a failed input: its writes stay clean
+        # (True), or all but those listed (a list of Vars), see Engine.push
         self.budget = None          # BLAS threads it runs with (set at push; None: no GEMMs)
         self.epoch = _EPOCH[0]      # the training step it was pushed in (see raise_unreported)
 
@@ -204,10 +206,13 @@ class Engine:
                 ops with the same cost key have been taking less than ``inline_s`` (a thread
                 hand-over costs more than that). The cost key is ``pure`` itself unless it is
                 ``True`` (then the name), e.g. ``(op, input_shape, output_shape)``.
-            skip_clean (bool): when the op does not run because an input failed, its writes
-                keep their values and stay usable instead of taking the error (an optimizer
-                update skipped for a failed gradient leaves the weights as they were); an
-                error raised by ``fn`` itself still marks them.
+            skip_clean (bool or list of Var): when the op does not run because an input
+                failed, its writes keep their values and stay usable instead of taking the
+                error (an optimizer update skipped for a failed gradient leaves the weights as
+                they were); a list names the writes that take the error all the same (a
+                training step whose batch failed: its loss fails, the weights and running
+                statistics stay as they were). An error raised by ``fn`` itself still marks
+                every write.
 
         Raises:
             TypeError: ``fn`` is not callable, a read/write is not a Var, or ``pure`` is
@@ -229,6 +234,12 @@ class Engine:
         for v in writes:
             if type(v) is not Var and not isinstance(v, Var):
                 raise TypeError(f"writes: expected engine Vars, got {type(v).__name__}")
+        if skip_clean is not True and skip_clean is not False:
+            skip_clean = list(skip_clean)
+            ids = {id(w) for w in writes}
+            if any(id(v) not in ids for v in skip_clean):
+                raise TypeError("skip_clean: expected a bool or a list of some of the op's "
+                                "write Vars, got a Var that the op does not write")
         if not name:
             name = getattr(fn, "__name__", "op")
         b = self._bulk.buf
@@ -244,12 +255,13 @@ class Engine:
             return
         self._push_op(_Op(fn, reads, writes, device, priority, name, meta, pure, skip_clean))
 
-    def push_trusted(self, fn, reads, writes, device, priority, name, meta, pure):
+    def push_trusted(self, fn, reads, writes, device, priority, name, meta, pure,
+                     skip_clean=False):
         """:meth:`push` for the library's own hot path (the eager interpreter): ``reads`` and
         ``writes`` are fresh lists of Vars, so nothing is copied or validated."""
         if self._bulk.buf is not None:
-            return self.push(fn, reads, writes, device, priority, name, meta, pure)
-        self._push_op(_Op(fn, reads, writes, device, priority, name, meta, pure))
+            return self.push(fn, reads, writes, device, priority, name, meta, pure, skip_clean)
+        self._push_op(_Op(fn, reads, writes, device, priority, name, meta, pure, skip_clean))
 
     def _keep_error(self, err):
         """Remember ``err`` for the next waitall() (at most _MAX_PENDING_ERRORS of them; when
@@ -507,8 +519,9 @@ class Engine:
             return err
         for v in op.reads:
             if v.exc is not None:           # an input failed: do not run, pass the error on
-                if not op.skip_clean:
-                    for w in op.writes:
+                skip = op.skip_clean
+                if skip is not True:        # (a list: only those writes take it)
+                    for w in (op.writes if skip is False else skip):
                         if not w.keep_clean:
                             w.exc = v.exc
                 return None

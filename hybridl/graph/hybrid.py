@@ -342,8 +342,8 @@ def _run(entry, args, pvals=None):
     if entry.side_params:
         side = outs[-len(entry.side_params):]
         with autograd.pause(autograd.is_training()):
-            for p, v in zip(entry.side_params, side):
-                p.data(dev)._assign(v)
+            for p, v in zip(entry.side_params, side):   # a failed call (its batch, or the
+                p.data(dev)._assign(v, skip_clean=True)    # program) leaves them as they were
 
     user = outs[:entry.n_user]
     if entry.treedef is not None:

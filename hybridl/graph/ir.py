@@ -138,9 +138,11 @@ class Symbol:
 
     __hash__ = object.__hash__
 
-    def _assign(self, src):
+    def _assign(self, src, skip_clean=False):
         """Record a write of ``src`` into the parameter this symbol stands for (a side effect
-        of the program, e.g. BatchNorm running statistics)."""
+        of the program, e.g. BatchNorm running statistics). ``skip_clean`` is NDArray's
+        (a failed input leaves the parameter as it was); the compiled call always writes the
+        side effects that way (see hybrid._run)."""
         from . import trace as _trace
         ctx = _trace.current_context()
         param = None

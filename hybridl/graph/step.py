@@ -599,7 +599,11 @@ class TrainStep:
         eng = _engine.get_engine()
         meta = dict(e.cost) if eng.profiler is not None else None
         # fresh lists of Vars: the engine need not copy or check them
-        eng.push_trusted(run, reads, writes, dev, 0, "train_step", meta, e.ckey)
+        # a failed batch (data or label from a failed op) fails the outputs only: the weights,
+        # optimizer states and running statistics stay as they were, as when the program
+        # fails before its first update (a failed weight stays failed: it is read too)
+        failed_batch = [loss._var] + ([out._var] if out is not None else [])
+        eng.push_trusted(run, reads, writes, dev, 0, "train_step", meta, e.ckey, failed_batch)
         return (loss, out) if out is not None else loss
 
     # ------------------------------------------------------------------ introspection

@@ -437,10 +437,12 @@ def batch_norm(x, gamma, beta, running_mean, running_var, eps=1e-5, momentum=0.9
     y, mean, var = apply(BN_TRAIN, x, gamma, beta, eps=float(eps), axis=axis)
     from .. import autograd
     n = numel(x.shape) // max(x.shape[axis], 1)
-    with autograd.pause(autograd.is_training()):
-        running_mean._assign(add(multiply(running_mean, momentum), multiply(mean, 1.0 - momentum)))
+    with autograd.pause(autograd.is_training()):    # a failed batch leaves them as they were
+        running_mean._assign(add(multiply(running_mean, momentum), multiply(mean, 1.0 - momentum)),
+                             skip_clean=True)
         unbiased = multiply(var, n / max(n - 1, 1))
-        running_var._assign(add(multiply(running_var, momentum), multiply(unbiased, 1.0 - momentum)))
+        running_var._assign(add(multiply(running_var, momentum), multiply(unbiased, 1.0 - momentum)),
+                            skip_clean=True)
     return y
 
 

@@ -254,8 +254,9 @@ def _forward(layer, group, idx, x, gamma, beta, rm, rv):
         rm._data = (rm._data * m + (1 - m) * mean).astype(rm._data.dtype)
         unb = var * (n / max(n - 1.0, 1.0))
         rv._data = (rv._data * m + (1 - m) * unb).astype(rv._data.dtype)
+    # a failed input fails y only: the running statistics stay as they were
     _engine.push(normalize, [x._var, gamma._var, beta._var, group.gate, pvar],
-                 [y._var, rm._var, rv._var], dev, 0, "sync_bn.normalize")
+                 [y._var, rm._var, rv._var], dev, 0, "sync_bn.normalize", skip_clean=[y._var])
     if autograd.is_recording() and any(a._ag is not None or a._grad_req != "null"
                                        for a in (x, gamma, beta)):
         autograd.record_op(_op(), (x, gamma, beta), [y], {"_member": mem})
