@@ -197,7 +197,7 @@ def test_hybridize_again_clears_the_cache():
     assert net.cache_info().programs == 0
     np.testing.assert_array_equal(net(x).asnumpy(), y0)
     ci = net.cache_info()
-    assert ci.programs == 1 and ci.reasons[-1] == "first call"
+    assert ci.programs == 1 and ci.reasons[-1] == "cache cleared: hybridize() called again"
 
 
 def test_adding_a_child_clears_the_cache():
@@ -212,6 +212,7 @@ def test_adding_a_child_clears_the_cache():
     assert net.cache_info().programs == 0
     y1 = net(x)
     assert y1.shape == (2, 4)
+    assert net.cache_info().reasons[-1] == "cache cleared: a block's children or parameters changed"
     net.hybridize(False)
     np.testing.assert_allclose(y1.asnumpy(), net(x).asnumpy(), rtol=1e-6)
     net.hybridize()
@@ -422,6 +423,7 @@ def test_set_data_and_trainer_updates_are_seen():
     np.testing.assert_allclose(yh2, ye2, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:.*retraced")
 def test_repeat_calls_see_every_change_that_the_full_lookup_sees():
     """A repeated call with the last call's signature skips the cache lookup (the block's
     fast path); each change below must still reach it: the result always equals the eager
@@ -576,3 +578,75 @@ def test_create_graph_through_a_hybridized_block_raises_instead_of_dropping_term
         tot.backward()
         grads.append(net[0].weight.grad().asnumpy().copy())
     assert not np.allclose(grads[0], grads[1])
+
+
+def test_building_unrelated_layers_does_not_retrace_hybridized_nets():
+    """Constructing a layer (nn.Dense, a model, a slice net[:1]) bumped the global structure
+    version, so every hybridized network retraced on its next call with the reason 'first
+    call' (and warned of retracing after 9). Only blocks that ran in a traced program count."""
+    net = _mlp()
+    net.hybridize()
+    x = nd.ones((2, 5))
+    y0 = net(x).asnumpy()
+    for _ in range(10):
+        nn.Dense(4)
+        hl.models.lenet(10)
+        net[:1]
+        nn.HybridSequential().add(nn.Dense(2), nn.BatchNorm())
+    np.testing.assert_array_equal(net(x).asnumpy(), y0)
+    ci = net.cache_info()
+    assert (ci.misses, ci.programs) == (1, 1) and ci.hits == 1
+
+
+def test_freezing_and_unfreezing_switches_programs_without_retracing():
+    """A GAN-style loop flips grad_req between 'null' and 'write' every step: a signature keeps
+    one program per set of trainable parameters, so after the first two traces nothing is
+    traced again; the gradients equal the eager network's in both states."""
+    eager, hyb = _mlp(), _mlp()
+    x = np.random.default_rng(1).standard_normal((3, 5)).astype(np.float32)
+    _set(hyb, _randomize(eager, x))
+    hyb.hybridize()
+    for step in range(6):
+        req = "null" if step % 2 else "write"
+        grads = []
+        for net in (eager, hyb):
+            net[0].weight.grad_req = req
+            X = nd.array(x)
+            X.attach_grad()
+            with autograd.record():
+                loss = nd.sum(nd.square(net(X)))
+            loss.backward()
+            grads.append((X.grad.asnumpy(), net[1].weight.grad().asnumpy(),
+                          None if req == "null" else net[0].weight.grad().asnumpy()))
+        for a, b in zip(*grads):
+            if a is not None:
+                np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    ci = hyb.cache_info()
+    assert (ci.misses, ci.programs) == (2, 2) and "grad_req" in ci.reasons[1]
+
+
+def test_jit_sees_a_structure_change_of_a_block_it_calls():
+    """An @hl.jit function calling a network kept its old program after net.add(...): it
+    returned the old layers' result. Now the change clears its cache, as a hybridized block's."""
+    net = nn.HybridSequential()
+    net.add(nn.Dense(3, in_units=4))
+    net.initialize()
+    f = hl.jit(lambda v: net(v) * 2)
+    x = nd.ones((2, 4))
+    assert f(x).shape == (2, 3)
+    net.add(nn.Dense(5, in_units=3))
+    net[1].initialize()
+    y = f(x)
+    assert y.shape == (2, 5)
+    np.testing.assert_allclose(y.asnumpy(), net(x).asnumpy() * 2, rtol=1e-6)
+    assert f.cache_info().reasons[-1] == "cache cleared: a block's children or parameters changed"
+
+
+def test_an_unknown_pass_name_is_an_error_at_hybridize_and_jit():
+    net = _mlp()
+    with pytest.raises(ValueError, match="unknown pass 'no_such_pass'"):
+        net.hybridize(passes=["no_such_pass"])
+    with pytest.raises(ValueError, match="unknown pass 'nope'"):
+        hl.jit(lambda v: v + 1, passes=["nope"])
+    with pytest.raises(ValueError, match="expected a list of pass names"):
+        net.hybridize(passes="fold_constants")

@@ -280,19 +280,44 @@ class _Cache:
         self.kinds = set()      # signatures less their devices (see miss)
         self.seen = set()       # full signatures ever traced (a repeat counts: see miss)
         self.counted = 0        # misses that count towards the retrace warning
+        # (signature, grad_req mask) -> entry: every program of a signature, one per set of
+        # parameters that want gradients (a GAN's frozen / unfrozen halves): switching back
+        # and forth reuses them instead of retracing; entries[sig] is the last one used
+        self.variants = {}
+        self.cleared = None     # why the programs were dropped (the next miss's reason)
 
     def info(self):
+        progs = {id(e) for e in self.entries.values()} | {id(e) for e in self.variants.values()}
         return CacheInfo(hits=self.hits, misses=self.misses, reasons=list(self.reasons),
-                         programs=len(self.entries))
+                         programs=len(progs))
 
-    def lookup(self, sig, owner):
-        e = self.entries.get(sig)
-        if e is not None:
-            self.hits += 1
-            return e
-        self.miss(_miss_reason(sig, list(self.entries)), owner, stacklevel=5,
-                  kind=_without_devices(sig), full=sig)
-        return None
+    def clear(self, why):
+        """Drop every program; ``why`` becomes the reason of the next miss (None: say
+        nothing, e.g. nothing was cached)."""
+        if self.entries:
+            self.cleared = why
+        self.entries = {}
+        self.variants = {}
+
+    def add(self, sig, entry):
+        self.entries[sig] = entry
+        self.variants[(sig, entry.req_mask)] = entry
+
+    def variant(self, sig, entry):
+        """The program of signature ``sig`` traced for the parameters' grad_req settings of
+        now (``entry`` is one traced for other settings), or None."""
+        alt = self.variants.get((sig, _req_mask(entry.params)))
+        if alt is not None:
+            self.entries[sig] = alt
+        return alt
+
+    def reason(self, sig, known):
+        """The reason of a miss of ``sig`` (see _miss_reason), or why the cache was cleared."""
+        why = _miss_reason(sig, known)
+        if why == "first call" and self.cleared:
+            why = self.cleared
+        self.cleared = None
+        return why
 
     def miss(self, reason, owner, stacklevel=3, kind=None, full=None):
         """Count a miss with its reason; warn once after more than RETRACE_WARN of them.
@@ -404,10 +429,14 @@ def _fast_call(cache, entry, sig, args):
 def call_cached(block, args):
     """Run ``block`` hybridized on ``args`` (NDArrays): look up or build the program."""
     cache = block.__dict__.get("_hcache")
-    if cache is None or block._cached is None or cache.version != _trace.STRUCTURE_VERSION[0]:
-        cache = _Cache() if cache is None else cache
-        cache.entries = {}
-        cache.version = _trace.STRUCTURE_VERSION[0]
+    version = _trace.STRUCTURE_VERSION[0]
+    if cache is None or block._cached is None or cache.version != version:
+        if cache is None:
+            cache = _Cache()
+        else:
+            cache.clear("cache cleared: a block's children or parameters changed"
+                        if cache.version != version else "cache cleared: hybridize() called again")
+        cache.version = version
         object.__setattr__(block, "_hcache", cache)
         object.__setattr__(block, "_cached", cache.entries)
     try:
@@ -416,24 +445,29 @@ def call_cached(block, args):
         args = _numpy_inputs(block, args)      # as the eager call takes them, or re-raises
         sig = _signature(args)
     entry = cache.entries.get(sig)
+    stale = None
+    if entry is not None and sig[2] and entry.req_mask != _req_mask(entry.params):
+        stale = entry                          # a parameter frozen or unfrozen since the trace
+        entry = cache.variant(sig, entry)      # the program traced for today's settings
     if entry is not None:
         cache.hits += 1
     else:
-        entry = cache.lookup(sig, type(block).__name__)
-    if entry is not None and sig[2] and entry.req_mask != _req_mask(entry.params):
-        changed = [p.name for p, a in zip(entry.params, entry.req_mask)
-                   if (p.grad_req != "null") != a]
-        cache.hits -= 1
-        cache.misses += 1
-        cache.reasons.append(f"grad_req of parameter(s) {changed} changed")
-        entry = None
-    if entry is None:
+        if stale is not None:
+            changed = [p.name for p, a in zip(stale.params, stale.req_mask)
+                       if (p.grad_req != "null") != a]
+            reason = f"grad_req of parameter(s) {changed} changed"
+            mask = _req_mask(stale.params)
+        else:
+            reason, mask = cache.reason(sig, list(cache.entries)), None
+        cache.miss(reason, type(block).__name__, stacklevel=4,
+                   kind=(_without_devices(sig), mask), full=(sig, mask))
         flags = block._hybrid_flags
         entry = _build(block.forward, args, type(block).__name__, flags.get("passes"),
                        [s[3] for s in sig[0]], parallel_segments=flags.get("parallel_segments", False))
         entry.req_mask = _req_mask(entry.params)
-        cache.entries[sig] = entry
+        cache.add(sig, entry)
         object.__setattr__(block, "_last_program", entry)
+        object.__setattr__(block, "_traced", True)     # (see Block._structure_changed)
     block.__dict__["_last_call"] = entry       # what export() traces without example inputs
     block.__dict__["_fast"] = _fast_call(cache, entry, sig, args)
     return _run(entry, args)
@@ -495,6 +529,9 @@ class _JitFunction:
         bad = [a for a in self._static if not isinstance(a, str) or not a.isidentifier()]
         if bad:
             raise TypeError(f"static_argnames: expected argument names (str), got {bad!r}")
+        if passes is not None:              # a bad name is an error here, not at the call
+            from .passes import check_passes
+            check_passes(passes)
         self._passes = passes
         self._cache = _Cache()
 
@@ -521,8 +558,13 @@ class _JitFunction:
         # the value's type is part of the key: 2, 2.0 and True are equal (and hash alike) in
         # Python but may trace different programs (integer vs float arithmetic)
         sig = (sig, tuple(sorted((k, _static_key(v)) for k, v in static.items())))
+        cache = self._cache
+        version = _trace.STRUCTURE_VERSION[0]
+        if cache.version != version:        # a block the function calls may have changed
+            cache.clear("cache cleared: a block's children or parameters changed")
+            cache.version = version
         try:
-            entry = self._cache.entries.get(sig)
+            entry = cache.entries.get(sig)
         except TypeError:                   # an unhashable static value
             bad = [k for k, v in static.items() if not _hashable(_static_key(v))]
             raise TypeError(f"{self._fn.__name__}: static argument(s) {bad} must be hashable "
@@ -531,23 +573,27 @@ class _JitFunction:
         if entry is not None and sig[0][2] and entry.req_mask != _req_mask(entry.params):
             # a parameter frozen or unfrozen since the trace (as for a hybridized block): the
             # program would give it no gradient, or one it no longer wants
-            changed = [p.name for p, a in zip(entry.params, entry.req_mask)
-                       if (p.grad_req != "null") != a]
-            stale, entry = f"grad_req of parameter(s) {changed} changed", None
+            stale, entry = entry, cache.variant(sig, entry)
         if entry is None:
-            known = list(self._cache.entries)
-            same = [k[0] for k in known if k[1] == sig[1]]
-            reason = stale or (_miss_reason(sig[0], same) if same or not known
-                               else f"static arguments {sig[1]}")
-            self._cache.miss(reason, self._fn.__name__, kind=(_without_devices(sig[0]), sig[1]),
-                             full=sig)
+            mask = None
+            if stale is not None:
+                changed = [p.name for p, a in zip(stale.params, stale.req_mask)
+                           if (p.grad_req != "null") != a]
+                reason, mask = f"grad_req of parameter(s) {changed} changed", _req_mask(stale.params)
+            else:
+                known = list(cache.entries)
+                same = [k[0] for k in known if k[1] == sig[1]]
+                reason = (cache.reason(sig[0], same) if same or not known
+                          else f"static arguments {sig[1]}")
+            cache.miss(reason, self._fn.__name__, kind=(_without_devices(sig[0]), sig[1], mask),
+                       full=(sig, mask))
             entry = _build(self._fn, args, self._fn.__name__, self._passes,
                            [s[3] for s in sig[0][0]], static)
             entry.req_mask = _req_mask(entry.params)
-            self._cache.entries[sig] = entry
+            cache.add(sig, entry)
             self._last_entry = entry
         else:
-            self._cache.hits += 1
+            cache.hits += 1
         return _run(entry, args)
 
     def __get__(self, obj, objtype=None):
@@ -668,6 +714,7 @@ def jit(fn=None, *, static_argnames=None, passes=None):
     Raises:
         TypeError: ``static_argnames`` not names; at a call, a positional argument that is
             not an NDArray, or a keyword argument that is not static.
+        ValueError: an unknown pass name in ``passes`` (at decoration).
         TracingError: the function branches on a traced value (see :class:`TracingError`).
     """
     if fn is None:

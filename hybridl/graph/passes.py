@@ -595,23 +595,42 @@ DEFAULT_PASSES = ("fold_constants", "simplify_algebra", "eliminate_common_subexp
                   "eliminate_dead_code", "fuse_elementwise", "plan_memory")
 
 
-def run_passes(graph, passes=None):
-    """Apply passes (names or functions) in order; default :data:`DEFAULT_PASSES`.
+def check_passes(passes):
+    """The passes to run, as functions (``None``: :data:`DEFAULT_PASSES`): what
+    :func:`run_passes` checks, without a graph (``hybridize(passes=...)`` and
+    ``hl.jit(passes=...)`` check at once rather than at the first call).
 
     Raises:
         ValueError: an unknown pass name (the message lists the known ones), a string instead
-            of a list, or an entry that is neither a name nor a function.
+            of a list, not a list, or an entry that is neither a name nor a function.
     """
     if isinstance(passes, str):
         raise ValueError(f"passes: expected a list of pass names, got the string {passes!r} "
                          f"(write passes=[{passes!r}])")
-    for p in DEFAULT_PASSES if passes is None else passes:
+    try:
+        items = list(DEFAULT_PASSES if passes is None else passes)
+    except TypeError:
+        raise ValueError(f"passes: expected a list of pass names or functions, got "
+                         f"{type(passes).__name__} {passes!r}") from None
+    fns = []
+    for p in items:
         if isinstance(p, str):
             if p not in PASSES:
                 raise ValueError(f"passes: unknown pass {p!r}; known: {sorted(PASSES)}")
             p = PASSES[p]
         elif not callable(p):
             raise ValueError(f"passes: expected pass names or functions Graph -> Graph, got {p!r}")
+        fns.append(p)
+    return fns
+
+
+def run_passes(graph, passes=None):
+    """Apply passes (names or functions) in order; default :data:`DEFAULT_PASSES`.
+
+    Raises:
+        ValueError: as :func:`check_passes`.
+    """
+    for p in check_passes(passes):
         plan = getattr(graph, "memory_plan", None)
         graph = p(graph)
         if plan is not None and not hasattr(graph, "memory_plan"):

@@ -18,6 +18,7 @@ from .parameter import DeferredInitializationError, Parameter, ParameterDict
 __all__ = ["Block", "HybridBlock", "Sequential", "HybridSequential"]
 
 from ..graph.trace import STRUCTURE_VERSION  # noqa: E402  (bumped when a child is added)
+from ..graph.trace import _tls as _TRACE  # noqa: E402  (.ctx: the trace running in this thread)
 
 
 def _cast_keeping_values(val, dtype, name, path):
@@ -77,9 +78,13 @@ class Block:
         object.__delattr__(self, name)
 
     def _structure_changed(self):
-        """Children or parameters changed: every cached hybridized program is stale (programs
-        of enclosing blocks too, hence one global version)."""
-        STRUCTURE_VERSION[0] += 1
+        """Children or parameters changed: when this block ran in a traced program (its
+        ``_traced`` mark, see ``__call__``), every cached program is stale (programs of
+        enclosing blocks too, hence one global version). A block no program has run (a layer
+        being built, a slice ``net[:2]``) changes nothing compiled: no version bump, so
+        building layers does not make every hybridized network retrace."""
+        if self.__dict__.get("_traced"):
+            STRUCTURE_VERSION[0] += 1
         self._on_child_change()
 
     def _on_child_change(self):
@@ -89,8 +94,7 @@ class Block:
         """Register ``block`` as a child (Sequential uses '0', '1', ...)."""
         name = str(len(self._children)) if name is None else name
         self._children[name] = block
-        STRUCTURE_VERSION[0] += 1
-        self._on_child_change()
+        self._structure_changed()
         return block
 
     # ------------------------------------------------------------------ parameters
@@ -244,6 +248,8 @@ class Block:
 
     # ------------------------------------------------------------------ calling
     def __call__(self, *args, **kwargs):
+        if _TRACE.__dict__.get("ctx") is not None:
+            _mark_traced(self)
         return self.forward(*args, **kwargs)
 
     def forward(self, *args):
@@ -265,7 +271,8 @@ class Block:
         """Hybridize every HybridBlock child (a plain Block itself stays imperative).
 
         Raises:
-            TypeError: an unknown option (see :meth:`HybridBlock.hybridize`)."""
+            TypeError: an unknown option; ValueError: an unknown pass name (see
+                :meth:`HybridBlock.hybridize`)."""
         _check_hybridize_options(kwargs)
         for c in self._children.values():
             c.hybridize(active, **kwargs)
@@ -291,6 +298,9 @@ def _check_hybridize_options(kwargs):
     if bad:
         raise TypeError(f"hybridize: unknown option(s) {bad}; the options are "
                         f"{list(_HYBRIDIZE_OPTIONS)}")
+    if kwargs.get("passes") is not None:        # a bad name is an error here, not at the call
+        from ..graph.passes import check_passes
+        check_passes(kwargs["passes"])
 
 
 def _atomic_write(path, write):
@@ -299,7 +309,14 @@ def _atomic_write(path, write):
     atomic_write(path, write)
 
 
-_GRAPH = []      # [graph.hybrid.call_cached, graph.trace._tls] once imported
+_GRAPH = []      # [graph.hybrid.call_cached] once imported
+
+
+def _mark_traced(block):
+    """``block`` runs in a traced program: from now on its structure changes bump
+    STRUCTURE_VERSION (see Block._structure_changed)."""
+    if not block.__dict__.get("_traced"):
+        object.__setattr__(block, "_traced", True)
 
 
 class HybridBlock(Block):
@@ -334,15 +351,18 @@ class HybridBlock(Block):
     def hybridize(self, active=True, **kwargs):
         """Compile ``forward`` on its next call (one cached program per input signature).
 
-        Calling it again (or adding a child) clears the cache. ``hybridize(False)`` goes back
-        to imperative execution. Options: ``passes=[...]`` (graph passes by name, default
-        all), ``parallel_segments=True`` (run independent parts of the graph as separate
-        engine ops, which may run at once); MXNet's ``static_alloc`` and ``static_shape``
-        are accepted and change nothing (compiled programs always run from a static memory
-        plan for their fixed shapes).
+        Calling it again (or adding a child) clears the cache. A signature keeps one
+        program per set of parameters that want gradients (freezing and unfreezing a part,
+        as a GAN's loop does, switches programs without retracing). ``hybridize(False)``
+        goes back to imperative execution. Options: ``passes=[...]`` (graph passes by name,
+        default all), ``parallel_segments=True`` (run independent parts of the graph as
+        separate engine ops, which may run at once); MXNet's ``static_alloc`` and
+        ``static_shape`` are accepted and change nothing (compiled programs always run from
+        a static memory plan for their fixed shapes).
 
         Raises:
-            TypeError: an unknown option.
+            TypeError: an unknown option.  ValueError: an unknown pass name (see
+                :func:`hybridl.graph.passes.check_passes`).
 
         The backward of a hybridized block is a compiled program without a gradient of its
         own: ``autograd.grad(..., create_graph=True)`` through it raises NotImplementedError
@@ -357,27 +377,26 @@ class HybridBlock(Block):
             c.hybridize(False)
 
     def __call__(self, *args, **kwargs):
-        if self._active:
+        if _TRACE.__dict__.get("ctx") is not None:     # inside a trace: inline it
+            _mark_traced(self)
+        elif self._active:
             if not kwargs:
-                g = _GRAPH
-                if not g:                          # imported on first use (graph imports nn)
-                    from ..graph import hybrid, trace
-                    g[:] = [hybrid.call_cached, trace._tls]
-                if g[1].__dict__.get("ctx") is None:   # inside another trace: inline it
-                    fast = self.__dict__.get("_fast")  # the last call's program again
-                    if fast is not None:                # (see graph.hybrid._fast_call)
-                        out = fast(args)
-                        if out is not None:
-                            return out
-                    return g[0](self, args)
+                call = _GRAPH
+                if not call:                       # imported on first use (graph imports nn)
+                    from ..graph import hybrid
+                    call.append(hybrid.call_cached)
+                fast = self.__dict__.get("_fast")      # the last call's program again
+                if fast is not None:                    # (see graph.hybrid._fast_call)
+                    out = fast(args)
+                    if out is not None:
+                        return out
+                return call[0](self, args)
             elif not self.__dict__.get("_warned_kwargs"):
-                from ..graph import trace
-                if not trace.is_tracing():
-                    object.__setattr__(self, "_warned_kwargs", True)
-                    warnings.warn(f"{type(self).__name__} is hybridized but was called with "
-                                  f"keyword arguments {sorted(kwargs)}: such calls run "
-                                  f"imperatively (not compiled); pass arrays positionally",
-                                  RuntimeWarning, stacklevel=2)
+                object.__setattr__(self, "_warned_kwargs", True)
+                warnings.warn(f"{type(self).__name__} is hybridized but was called with "
+                              f"keyword arguments {sorted(kwargs)}: such calls run "
+                              f"imperatively (not compiled); pass arrays positionally",
+                              RuntimeWarning, stacklevel=2)
         return self.forward(*args, **kwargs)
 
     def export(self, prefix, *example_inputs):
