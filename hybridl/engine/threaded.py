@@ -16,7 +16,7 @@ from _thread import allocate_lock as _allocate_lock
 from _thread import get_ident as _get_ident
 from time import perf_counter as _now
 
-from .base import _GROUP_META, _KEYS, Engine, OpError, _blas_module, _Op
+from .base import _GROUP_META, _KEYS, Engine, OpError, _blas_module, _Op, _untimed
 
 __all__ = ["ThreadedEngine"]
 
@@ -384,13 +384,10 @@ class ThreadedEngine(Engine):
         if cell is None or cell[0] is None:
             return False                    # (pushed instead: the push ends a gap)
         g = self._gap
-        c = cell[0]
-        if not c < self.inline_s:
+        if not cell[0] < self.inline_s:
             if g is not None:               # the frontend is back with a real op
                 self._gap_end()
-            gap = cell[5]                   # (_overlaps_nothing, inline: the hot path)
-            if (cell[1] >= 2 and self._solo and self.inline_s > 0
-                    and (gap is None or gap < _GAP_SHARE * c)):
+            if cell[1] >= 2 and self._overlaps_nothing(cell, self.inline_s):
                 return self._run_idle(kernel, arrays, outs, attrs, device, cell, name)
             return False
         t_in = _now() if g is not None else 0.0
@@ -406,7 +403,7 @@ class ThreadedEngine(Engine):
         cell[1] = runs + 1
         try:
             err = self._run_now(kernel, arrays, outs, attrs, name,
-                               None if runs & (7 if runs < 256 else 31) else cell)
+                                None if runs & _untimed(runs) else cell)
         finally:
             if counted:
                 with self._lock:
@@ -450,23 +447,21 @@ class ThreadedEngine(Engine):
         if not self._may_run_now(arrays):
             return False
         budget = self._op_budget(device)
-        lock = self._lock
-        with lock:
+        with self._lock:
             q = self._queues.get(device)
             if q is None or q.busy or q.heap or not self._start_ok(budget):
                 return False
             q.busy += 1                     # the device is busy while it runs here
         runs = cell[1]
         cell[1] = runs + 1
+        timed = not runs & _untimed(runs)   # (see Engine._execute)
         try:
-            if runs & (7 if runs < 256 else 31):     # (see _execute, _untimed)
-                err = self._run_now(kernel, arrays, outs, attrs, name, None)
-            else:                           # timed
-                w0 = _blas_module().wide_gemms()
-                err = self._run_now(kernel, arrays, outs, attrs, name, cell)
+            w0 = _blas_module().wide_gemms() if timed else 0
+            err = self._run_now(kernel, arrays, outs, attrs, name, cell if timed else None)
+            if timed:
                 cell[4] = _blas_module().wide_gemms() != w0
         finally:
-            with lock:
+            with self._lock:
                 q.busy -= 1
                 self._ended(budget)
         if err is not None:
