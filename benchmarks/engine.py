@@ -221,7 +221,7 @@ def mlp(threaded, naive, reps):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=30, help="samples per figure (>= 20)")
     p.add_argument("--quick", action="store_true", help="smaller asynchrony chain (4 x 512)")
     a = p.parse_args()

@@ -1,4 +1,4 @@
-"""Hybridization benchmarks (issue 4), one run, ratios printed; run twice and quote medians.
+"""Hybridization benchmarks, one run, ratios printed; run twice and quote medians.
 
 1. The classic: MLP 512-256-128-2, batch 1, forward calls: hybridl eager vs hybridized vs
    NumPy by hand vs PyTorch eager, torch.jit.script, jax.jit (peers via ../shared/bench).
@@ -179,7 +179,7 @@ def compile_times():
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--no-peers", action="store_true")
     args = ap.parse_args(argv)
     classic(not args.no_peers)

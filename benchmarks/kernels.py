@@ -220,7 +220,7 @@ def build_cases(N, rng):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2,

@@ -157,7 +157,7 @@ def pipeline_bubble(m, sched, width, batch, reps):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps and repetitions")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args(argv)

@@ -98,7 +98,7 @@ def torch_update(name, ws, gs):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--models", default="mlp,resnet18")
     ap.add_argument("--threads", type=int, default=1)

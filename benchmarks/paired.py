@@ -94,7 +94,7 @@ def _serve(use_compile):
 # ============================================================================ driver (hybridl)
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--inner", type=int, default=3)
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")

@@ -285,7 +285,7 @@ def report_multi_branch(batch, width, reps, rounds, log):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=11, help="rounds (median; default 11)")
     ap.add_argument("--sizes", default="256,512,1024", help="matrix sizes (default 256,512,1024)")
     ap.add_argument("--ops", type=int, default=4000, help="tiny ops per overhead run (4000)")

@@ -1,7 +1,7 @@
 """Measure this machine and reason with a roofline: which of three ops (a matmul, a vector add,
 a tiny add) is compute-bound, memory-bound or overhead-bound?
 
-Run:  python examples/hardware.py      (a quick measurement, ~10 s)
+Run:  python examples/hardware.py      (a quick measurement, a few seconds)
 """
 import time
 

@@ -5,9 +5,10 @@
     y = (x @ x).relu().sum()                    # pushed to the dependency engine, returns at once
     print(y.item())                             # sync point
 
-See README.md and DESIGN.md for the layers: engine -> ops -> ndarray/autograd -> graph -> nn.
+See README.md (and DESIGN.md, in the development setup's shared/ folder) for the layers:
+engine -> ops -> ndarray/autograd -> graph -> nn.
 """
-import importlib
+import importlib as _importlib
 
 from . import autograd, engine, nd, random  # noqa: F401
 from .device import Device, cpu, current_device  # noqa: F401
@@ -25,12 +26,12 @@ _LAZY_ATTRS = {"Trainer": ("optim", "Trainer"), "jit": ("graph", "jit"),
 
 def __getattr__(name):
     if name in _LAZY:
-        mod = importlib.import_module(f".{name}", __name__)
+        mod = _importlib.import_module(f".{name}", __name__)
         globals()[name] = mod
         return mod
     if name in _LAZY_ATTRS:
         m, a = _LAZY_ATTRS[name]
-        val = getattr(importlib.import_module(f".{m}", __name__), a)
+        val = getattr(_importlib.import_module(f".{m}", __name__), a)
         globals()[name] = val
         return val
     raise AttributeError(f"module 'hybridl' has no attribute {name!r}")

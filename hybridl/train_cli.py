@@ -304,6 +304,11 @@ def _engine_name():
     return engine.get_engine().name
 
 
+def _default_batch(dataset):
+    """The batch size when --batch-size is not given."""
+    return 32 if dataset == "digits" else 128
+
+
 def _setup(args):
     import warnings
     # NumPy's overflow/invalid warnings of a diverging run (from the workers): the run stops
@@ -317,7 +322,7 @@ def _setup(args):
     if args.epochs is None:
         args.epochs = 10 if args.dataset == "digits" else 1
     if args.batch_size is None:
-        args.batch_size = 32 if args.dataset == "digits" else 128
+        args.batch_size = _default_batch(args.dataset)
     if args.lr is None:
         args.lr = 0.05 if args.optimizer == "sgd" else 0.002
 
@@ -391,6 +396,10 @@ def main_train(argv=None):
                             f"(the strategy is {args.strategy})")
     args.microbatches = 4 if args.microbatches is None else args.microbatches
     args.schedule = "1f1b" if args.schedule is None else args.schedule
+    batch = args.batch_size or _default_batch(args.dataset)
+    if args.strategy == "pipeline" and args.microbatches > batch:
+        return _usage_error(f"--microbatches {args.microbatches} is more than the batch size "
+                            f"{batch}: each micro-batch needs at least one sample")
     bad = _digits_data_option(args)
     if bad:
         return _usage_error(bad)
@@ -504,6 +513,8 @@ def _train(args):
               f"{len(test_set)} test images), {args.epochs} epoch(s), batch {args.batch_size}, "
               f"{args.optimizer} lr {args.lr} ({args.lr_schedule}), device {devices[0]}"
               + (f" on each of {dist.size()} processes" if multi else "")
+              + (" (--distributed: one process, not launched under MPI)"
+                 if dist is not None and not multi else "")
               + f", {mode}, {_engine_name()} engine", flush=True)
         busy = _busy_note()
         if busy:

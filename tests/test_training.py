@@ -172,6 +172,8 @@ BAD_OPTIONS = [
     (("--download",), "--download is for --dataset mnist"),
     (("--devices", "cpu:0,cpu:1", "--batch-size", "1"), "use a multiple of 2"),
     (("--devices", "cpu:0,cpu:1", "--schedule", "gpipe"), "applies only to --strategy pipeline"),
+    (("--devices", "cpu:0,cpu:1", "--strategy", "pipeline", "--microbatches", "64",
+      "--batch-size", "32"), "each micro-batch needs at least one sample"),   # was after the header
 ]
 
 

@@ -3,8 +3,8 @@
 Probes and measures this machine, prints the figures beside typical values from the
 literature, caches the result at ``$HYBRIDL_HOME/hardware.json`` (default
 ``~/.hybridl/hardware.json``, written atomically) and optionally writes the same JSON to
-``--json PATH`` and a roofline PNG to ``--plot PATH`` (needs matplotlib). Full run: about a
-minute on a 2-core machine; ``--quick``: a few seconds. Bad options: exit code 2.
+``--json PATH`` and a roofline PNG to ``--plot PATH`` (needs matplotlib). Full run: 10-60 s
+on a 2-core machine; ``--quick``: a few seconds. Bad options: exit code 2.
 
 JSON schema (``schema_version`` 1). Units: bytes, seconds, GB/s = 10**9 bytes/s,
 MB/s = 10**6 bytes/s, GFLOP/s = 10**9 FLOP/s, ns, us.
@@ -105,7 +105,7 @@ def run(quick: bool = False, storage_dir: str | None = None, progress: bool = Tr
     """Probe and measure everything; return the report dict (schema: module docstring).
 
     Args:
-        quick: smaller sizes and fewer repeats (~10 s instead of ~1 min).
+        quick: smaller sizes and fewer repeats (seconds instead of about ten on a 2-core machine).
         storage_dir: directory for the storage test's temp file (default: temp dir).
         progress: show a tqdm progress bar on stderr.
         skip: group names to leave out ("memory_bandwidth", "memory_latency", "gemm",
@@ -348,7 +348,9 @@ def format_table(report: dict) -> str:
     for g, e in report.get("errors", {}).items():
         row(f"({g})", e)
     w0 = max(len(a) for a, _, _ in rows)
-    w1 = max(len(b) for _, b, _ in rows)
+    # the measured column is as wide as its rows that have a typical value beside them (a
+    # long row without one, the SIMD list, must not push that column off the screen)
+    w1 = max([len(b) for _, b, c in rows if c] or [len("measured")])
     lines = [f"{'':<{w0}}  {'measured':<{w1}}  typical (literature)",
              "-" * (w0 + w1 + 24)]
     lines += [f"{a:<{w0}}  {b:<{w1}}  {c}".rstrip() for a, b, c in rows]
@@ -370,7 +372,7 @@ def _parser():
     p = _Parser(prog="hybridl hw", description="Probe and measure this machine: caches, "
                 "memory bandwidth and latency, GEMM, storage, process-to-process transfer, "
                 "roofline. Results are cached in $HYBRIDL_HOME/hardware.json.")
-    p.add_argument("--quick", action="store_true", help="smaller, faster run (~10 s)")
+    p.add_argument("--quick", action="store_true", help="smaller, faster run (a few seconds)")
     p.add_argument("--json", metavar="PATH", help="also write the JSON report to PATH")
     p.add_argument("--plot", metavar="PATH", help="write a roofline PNG (needs matplotlib)")
     p.add_argument("--storage-dir", metavar="DIR", help="directory for the storage test file")
