@@ -327,11 +327,14 @@ def _setup(args):
         args.lr = 0.05 if args.optimizer == "sgd" else 0.002
 
 
-def _busy_note(load=None):
+def _busy_note(load=None, others=None):
     """A hint when other programs keep this machine's cores busy and BLAS may use several
     threads: a multi-threaded GEMM then waits for a time slice for each of its threads (on a
     2-core machine with the other core busy, 10-20x slower steps were measured). Returns the
-    note, or None. ``load``: the 1-minute load average (default: the system's)."""
+    note, or None. ``load``: the 1-minute load average (default: the system's); ``others``:
+    how many other tasks are runnable right now (default: /proc/loadavg's count less this
+    one; unknown: not checked). The load average lags by about a minute both ways: a job
+    that just ended still shows, so the note also needs another task running now."""
     import os
 
     from .ops import _blas
@@ -342,13 +345,25 @@ def _busy_note(load=None):
             load = os.getloadavg()[0]
         except (AttributeError, OSError):
             return None
+        if others is None:
+            others = _runnable_others()
     cores = _blas.cores()
-    if load < cores - 0.5:
+    if load < cores - 0.5 or (others is not None and others < 1):
         return None
     return (f"note: this machine is busy (load average {load:.1f} on {cores} cores); BLAS "
             f"products on {_blas.budget()} threads wait for one another and can be many times "
             f"slower: OPENBLAS_NUM_THREADS=1 hybridl train ... is often faster then (about the same "
             f"accuracy up to rounding: other last bits)")
+
+
+def _runnable_others():
+    """Tasks runnable now besides the calling one (``/proc/loadavg``'s "running/total"), or
+    None where that file does not exist."""
+    try:
+        with open("/proc/loadavg", encoding="ascii") as f:
+            return int(f.read().split()[3].split("/")[0]) - 1
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def lr_schedule(args, steps_per_epoch):

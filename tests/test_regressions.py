@@ -2335,7 +2335,11 @@ def test_train_notes_a_busy_machine(monkeypatch):
     monkeypatch.setattr(_blas, "budget", lambda: 2)
     monkeypatch.setattr(_blas, "cores", lambda: 2)
     assert "OPENBLAS_NUM_THREADS=1" in train_cli._busy_note(load=1.9)
+    assert "OPENBLAS_NUM_THREADS=1" in train_cli._busy_note(load=1.9, others=1)
     assert train_cli._busy_note(load=0.3) is None
+    # the load average of a job that just ended, nothing else running now: no note
+    assert train_cli._busy_note(load=1.9, others=0) is None
+    assert train_cli._runnable_others() is None or train_cli._runnable_others() >= 0
     monkeypatch.setattr(_blas, "budget", lambda: 1)
     assert train_cli._busy_note(load=5.0) is None           # one BLAS thread: nothing to say
 
