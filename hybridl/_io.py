@@ -12,7 +12,42 @@ and each file under the name is whole.
 import os
 import tempfile
 
-__all__ = ["atomic_write", "atomic_write_all"]
+__all__ = ["atomic_write", "atomic_write_all", "check_path", "check_file"]
+
+
+def check_path(path, who):
+    """``path`` as a str (a str or an ``os.PathLike``); ``who``: the function and argument to
+    name in the error, e.g. ``"save_parameters: path"``.
+
+    Raises:
+        TypeError: anything else (None, a number, bytes)."""
+    if isinstance(path, (str, os.PathLike)):
+        p = os.fspath(path)
+        if isinstance(p, str):
+            return p
+    raise TypeError(f"{who}: expected a file path (str or os.PathLike), got "
+                    f"{type(path).__name__} {path!r}")
+
+
+def check_file(path, who):
+    """``path`` (see :func:`check_path`) names an existing file to read.
+
+    Raises:
+        TypeError: not a path.  FileNotFoundError: no such file.  IsADirectoryError: a
+        directory."""
+    p = check_path(path, who)
+    if os.path.isdir(p):
+        raise IsADirectoryError(f"{who}: {p!r} is a directory, expected a file")
+    if not os.path.exists(p):
+        raise FileNotFoundError(f"{who}: no such file: {p!r}")
+    return p
+
+
+def resolve(path):
+    """The file a write to ``path`` replaces: a symbolic link's target (followed all the way;
+    a dangling link: the file it would create), else ``path``."""
+    p = os.fspath(path)
+    return os.path.realpath(p) if os.path.islink(p) else p
 
 
 def _check_target(path):
@@ -42,8 +77,7 @@ def atomic_write_all(items):
     """
     # a link is followed: its target is replaced and the link kept (os.replace on the link
     # itself would put a plain file in its place)
-    items = [(os.path.realpath(os.fspath(path)) if os.path.islink(os.fspath(path))
-              else os.fspath(path), write) for path, write in items]
+    items = [(resolve(check_path(path, "path")), write) for path, write in items]
     dirs = [_check_target(path) for path, _ in items]
     tmps = []
     try:
@@ -51,7 +85,14 @@ def atomic_write_all(items):
             fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=d)
             os.close(fd)
             tmps.append((path, tmp))
-            write(tmp)
+            try:
+                write(tmp)
+            except OSError:
+                raise
+            except Exception as e:          # safetensors reports a failed write (disk full,
+                if "I/O error" not in str(e):   # file too large) as SafetensorError: an
+                    raise                   # OSError, as for any other write
+                raise OSError(f"writing {path!r} failed: {e}") from e
             _fsync(tmp)
         umask = os.umask(0)
         os.umask(umask)

@@ -32,6 +32,16 @@ def _usage():
     return "\n".join(lines)
 
 
+def _default_sigint():
+    """After a first Ctrl-C: a second one ends the process at once (the default action, no
+    traceback from wherever it lands while the program is leaving)."""
+    import signal
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    except ValueError:                 # not the main thread: leave it
+        pass
+
+
 def main(argv=None):
     """Dispatch ``hybridl <command>``; returns the process exit code (2 for bad usage)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -58,8 +68,9 @@ def main(argv=None):
     try:
         return entry(rest)
     except KeyboardInterrupt:          # Ctrl-C: one line, not a traceback (files are written
-        print(f"\nhybridl {cmd}: interrupted", file=sys.stderr)    # atomically: none is
-        return 130                     # half-written); 128 + SIGINT, as shell tools
+        _default_sigint()              # atomically: none is half-written); 128 + SIGINT
+        print(f"\nhybridl {cmd}: interrupted", file=sys.stderr)
+        return 130                     # (as shell tools)
     except BrokenPipeError:            # `hybridl trace | head`: the reader left; stop quietly
         import os
         try:

@@ -304,6 +304,10 @@ def _engine_name():
     return engine.get_engine().name
 
 
+class _SaveFailed(Exception):
+    """The final --save write failed: exit 1 with one line (not a usage error)."""
+
+
 def _default_batch(dataset):
     """The batch size when --batch-size is not given."""
     return 32 if dataset == "digits" else 128
@@ -432,6 +436,9 @@ def main_train(argv=None):
     except FloatingPointError as e:  # diverged: the options were valid, the run failed
         print(f"hybridl train: error: {e}; --lr was {args.lr}", file=sys.stderr)
         return 1
+    except _SaveFailed as e:
+        print(f"hybridl train: error: {e}", file=sys.stderr)
+        return 1
     except (FileNotFoundError, ValueError, OSError, RuntimeError) as e:
         msg = str(e).strip().splitlines()
         return _usage_error(f"{type(e).__name__}: {msg[0] if msg else e}"
@@ -462,12 +469,13 @@ def _train(args):
     from . import data, optim
     _setup(args)
     if args.save:                 # fail before training, not after it
-        from ._io import _check_target
+        from ._io import _check_target, resolve
+        target = resolve(args.save)     # a link: where its file is (or would be) written
         try:
-            _check_target(args.save)
+            _check_target(target)
         except (ValueError, OSError) as e:
             raise type(e)(f"--save: {e}") from None
-        _probe_write(args.save, "--save")
+        _probe_write(target, "--save")
     dist = None
     if args.distributed:
         from . import distributed as dist
@@ -542,7 +550,11 @@ def _train(args):
     total = time.perf_counter() - t0
     last = hist[-1]
     if args.save and rank0:
-        net.save_parameters(args.save)
+        try:
+            net.save_parameters(args.save)
+        except OSError as e:        # (disk full): the run is done, only the file is missing
+            raise _SaveFailed(f"--save: the trained parameters could not be written ({e}); "
+                              f"the file that was there, if any, is unchanged") from None
     nproc = dist.size() if dist is not None else 1
     if rank0:
         print(f"done: {args.model}/{args.dataset} test accuracy {last['test_acc']:.4f} after "

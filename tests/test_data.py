@@ -484,3 +484,39 @@ def test_subclass_of_a_batchable_transform_that_redefines_call_is_per_sample():
     (b, _), = list(DataLoader(ArrayDataset(imgs, np.arange(2)).transform_first(
         PerImageCentre(1.0)), batch_size=2))
     np.testing.assert_array_equal(b.asnumpy(), np.zeros((2, 4)))
+
+
+def test_loader_arguments_are_checked_at_construction(monkeypatch):
+    """device='gpu:1' failed only at the first batch, deep inside; num_shards larger than the
+    dataset gave every shard nothing, silently; HYBRIDL_NUM_WORKERS set the engine's worker
+    threads AND the loaders' threads (0, a valid loader value, broke import hybridl): the
+    loaders read HYBRIDL_LOADER_WORKERS."""
+    with pytest.raises(ValueError, match="DataLoader: device: expected a string like 'cpu:0'"):
+        DataLoader(np.arange(5), 2, device="gpu:1")
+    with pytest.raises(ValueError, match="num_shards must be at most the dataset's 10 samples"):
+        DataLoader(np.arange(10), 2, num_shards=11, shard_index=0)
+    monkeypatch.setenv("HYBRIDL_NUM_WORKERS", "3")
+    monkeypatch.setenv("HYBRIDL_LOADER_WORKERS", "2")
+    assert DataLoader(np.arange(10), 2, num_workers=None).num_workers == 2
+    monkeypatch.setenv("HYBRIDL_LOADER_WORKERS", "-1")
+    with pytest.raises(ValueError, match=r"HYBRIDL_LOADER_WORKERS='-1': expected an integer >= 0"):
+        DataLoader(np.arange(10), 2, num_workers=None)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_failing_sample_says_which_one_and_non_numbers_are_named(workers):
+    class Flaky(Dataset):
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, i):
+            if i == 4:
+                raise KeyError("boom")
+            return np.float32(i)
+    with pytest.raises(KeyError, match="boom") as ei:
+        list(DataLoader(Flaky(), 2, num_workers=workers))
+    if hasattr(ei.value, "__notes__"):                      # Python 3.11+
+        assert "loading sample 4 of the dataset" in ei.value.__notes__[0]
+    with pytest.raises(TypeError, match=r"DataLoader: a batch field holds ndarray of dtype <U1, "
+                                        r"expected numbers"):
+        list(DataLoader(SimpleDataset(["a", "b"]), 2, num_workers=workers))

@@ -362,3 +362,31 @@ def test_fashion_mnist_refuses_mnist_files():
     with pytest.raises(DatasetError, match="MNIST's t10k-images-idx3-ubyte, not this data set's") as e:
         FashionMNIST(root=SHARED, train=False)
     assert "delete" not in str(e.value)         # a valid file in the wrong folder: keep it
+
+
+def test_a_small_gz_that_inflates_far_beyond_the_file_size_is_refused_early(tmp_path):
+    """A 1 MB .gz of zeros inflating to 1 GiB was decompressed whole (2 GB of memory) before
+    the checksum said no. Inflating stops one byte past the expected IDX size."""
+    root = tmp_path / "bomb"
+    root.mkdir()
+    import zlib
+    c = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    chunk = bytes(1 << 20)
+    parts = [c.compress(chunk) for _ in range(64)] + [c.flush()]     # 64 MiB of zeros
+    (root / "t10k-images-idx3-ubyte.gz").write_bytes(b"".join(parts))
+    with pytest.raises(DatasetError, match=r"inflates to more than 7840016 bytes"):
+        FashionMNIST(root=str(root), train=False)
+
+
+def test_dataset_arguments_are_checked(tmp_path):
+    """download='no' downloaded (any truthy value did); mirrors=5 or [None] failed with
+    Python's own TypeError/AttributeError after creating the root folder; root='' silently
+    meant the default folder."""
+    with pytest.raises(TypeError, match="download must be True or False, got 'no'"):
+        MNIST(root=str(tmp_path / "a"), train=False, download="no", mirrors=["http://127.0.0.1:1/"])
+    for bad in (5, [5], [None], [""]):
+        with pytest.raises(TypeError, match="mirrors must be a base URL or a list of base URLs"):
+            MNIST(root=str(tmp_path / "b"), train=False, download=True, mirrors=bad)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    with pytest.raises(ValueError, match="root must be a folder path, got ''"):
+        MNIST(root="", train=False)

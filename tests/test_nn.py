@@ -836,3 +836,40 @@ def test_activation_arguments_are_checked():
         nn.LeakyReLU(-1)
     with pytest.raises(ValueError, match="alpha"):
         nn.ELU("1")
+
+
+def test_checkpoint_paths_are_checked_and_write_errors_are_oserrors(tmp_path):
+    """save/load_parameters and save/load_states took None or a number as a path and failed
+    with Python's own messages; a directory gave "not a valid safetensors file (No such
+    device)"; a write that failed (disk full, file too large) raised safetensors'
+    SafetensorError, which `except OSError` does not catch. The old file stays whole."""
+    net = hl.nn.Dense(2, in_units=3)
+    net.initialize()
+    trainer = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9})
+    for fn, arg in ((net.save_parameters, "save_parameters: path"),
+                    (net.load_parameters, "load_parameters: path"),
+                    (trainer.save_states, "save_states: path"),
+                    (trainer.load_states, "load_states: path")):
+        for bad in (None, 3.5, 0):
+            with pytest.raises(TypeError, match=f"{arg}: expected a file path"):
+                fn(bad)
+    d = tmp_path / "adir"
+    d.mkdir()
+    with pytest.raises(IsADirectoryError, match="load_parameters: path: .* is a directory"):
+        net.load_parameters(str(d))
+    with pytest.raises(IsADirectoryError, match="load_states: path: .* is a directory"):
+        trainer.load_states(str(d))
+    from hybridl._io import atomic_write
+    target = tmp_path / "p.safetensors"
+    net.save_parameters(str(target))
+    before = target.read_bytes()
+
+    class SafetensorError(Exception):         # what safetensors raises for a failed write
+        pass
+
+    def fails(tmp):
+        raise SafetensorError("Error while serializing: I/O error: File too large (os error 27)")
+    with pytest.raises(OSError, match="writing .*p.safetensors' failed: .*File too large"):
+        atomic_write(str(target), fails)
+    assert target.read_bytes() == before                 # whole, and no temporary file left
+    assert sorted(os.listdir(tmp_path)) == ["adir", "p.safetensors"]

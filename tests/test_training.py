@@ -787,3 +787,26 @@ def test_ctrl_c_ends_training_with_one_line_and_no_file(tmp_path):
     assert p.returncode == 130, err
     assert "hybridl train: interrupted" in err and "Traceback" not in err, err
     assert os.listdir(tmp_path) == []          # no --save file, no temporary
+
+
+def test_save_through_a_dangling_link_fails_before_training_and_a_failed_final_save_exits_1(
+        tmp_path, monkeypatch, capsys):
+    """--save through a symbolic link into a missing folder passed the early check (it looked
+    at the link's folder) and failed after the whole run; a final save that failed (disk full)
+    ended in a traceback. Now the first is a usage error before training, the second one line
+    and exit code 1."""
+    from hybridl.cli import main
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(tmp_path / "no_such_dir" / "p.safetensors")
+    rc = main(["train", "--model", "mlp", "--epochs", "1", "--quiet", "--save", str(link)])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "no_such_dir" in err and "epoch" not in out
+
+    def disk_full(self, path):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(hl.nn.Block, "save_parameters", disk_full)
+    rc = main(["train", "--model", "mlp", "--epochs", "1", "--quiet", "--save",
+               str(tmp_path / "p.safetensors")])
+    out, err = capsys.readouterr()
+    assert rc == 1 and "epoch" in out
+    assert "--save: the trained parameters could not be written" in err and "Traceback" not in err

@@ -140,11 +140,16 @@ class DataLoader:
         last_batch: ``'keep'`` | ``'discard'`` | ``'rollover'``.
         num_workers (int >= 0): background loader *threads* (not processes, unlike
             PyTorch's workers); 0 loads in the caller's thread. ``None`` reads
-            ``$HYBRIDL_NUM_WORKERS`` (default 0). With workers, the dataset's ``__getitem__``
-            and its lazy transforms run in several threads at once, so they must be
-            thread-safe (a shared file handle that is seeked and read is not: open one per
-            thread, or read under a lock); the batches are then identical for every
-            ``num_workers``.
+            ``$HYBRIDL_LOADER_WORKERS`` (default 0; not ``HYBRIDL_NUM_WORKERS``, the
+            engine's worker threads per device). With workers, the dataset's
+            ``__getitem__`` and its lazy transforms run in several threads at once, so they
+            must be thread-safe (a shared file handle that is seeked and read is not: open one
+            per thread, or read under a lock); the batches are then identical for every
+            ``num_workers``, unless ``__getitem__`` draws random numbers from a shared
+            generator (``np.random``'s global state, ``random``): its samples then take the
+            draws in whatever order the threads run. For random augmentation that does not
+            depend on the worker count, seed a generator per sample, e.g.
+            ``np.random.default_rng([seed, epoch, index])``.
         seed (int >= 0 or None): shuffle seed; epoch ``e`` uses
             ``np.random.default_rng([seed, e]).permutation(N)``. ``None`` with ``shuffle=True``
             draws one seed at construction with ``hybridl.random.randint`` (so
@@ -192,14 +197,20 @@ class DataLoader:
             raise ValueError(f"DataLoader: last_batch must be one of {_LAST_BATCH}, "
                              f"got {last_batch!r}")
         if num_workers is None:
-            env = os.environ.get("HYBRIDL_NUM_WORKERS", "0")
+            env = os.environ.get("HYBRIDL_LOADER_WORKERS", "").strip() or "0"
             try:
                 num_workers = int(env)
             except ValueError:
-                raise ValueError(f"DataLoader: HYBRIDL_NUM_WORKERS must be an integer >= 0, "
-                                 f"got {env!r}") from None
+                num_workers = -1
+            if num_workers < 0:
+                raise ValueError(f"DataLoader: HYBRIDL_LOADER_WORKERS={env!r}: expected an "
+                                 f"integer >= 0 (loader threads)")
         self.num_workers = _check_int("num_workers", num_workers, 0)
         self.num_shards = _check_int("num_shards", num_shards, 1)
+        if 0 < len(dataset) < self.num_shards:
+            raise ValueError(f"DataLoader: num_shards must be at most the dataset's "
+                             f"{len(dataset)} samples (every shard would be empty), got "
+                             f"{self.num_shards}")
         self.shard_index = _check_int("shard_index", shard_index, 0, self.num_shards - 1)
         self.prefetch = _check_int("prefetch", prefetch, 1 if self.num_workers > 0 else 0)
         if batchify_fn is not None and not callable(batchify_fn):
@@ -211,6 +222,12 @@ class DataLoader:
         self.shuffle = bool(shuffle)
         self.last_batch = last_batch
         self.batchify_fn = batchify_fn
+        if device is not None:          # a bad device is an error here, not at the first batch
+            from hybridl.device import Device  # lazy: hybridl.device sits above data's deps
+            try:
+                Device.parse(device)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"DataLoader: {e}") from None
         self.device = device
         if seed is None:
             if self.shuffle and self.num_shards > 1:
@@ -283,7 +300,12 @@ class DataLoader:
         for i in indices:
             if stop is not None and stop.is_set():
                 return None
-            samples.append(self.dataset[int(i)])
+            try:
+                samples.append(self.dataset[int(i)])
+            except Exception as e:
+                if hasattr(e, "add_note"):  # (Python 3.11+) which sample, the type unchanged
+                    e.add_note(f"(DataLoader: loading sample {int(i)} of the dataset)")
+                raise
         fn = self.batchify_fn or default_batchify_fn
         out = fn(samples)
         if isinstance(out, dict):
@@ -297,12 +319,15 @@ class DataLoader:
         def _device(d):
             return _D.parse(d)
         def convert(a):
-            if isinstance(a, (np.ndarray, np.generic)):
-                return array(a, device=self.device)
             if hasattr(a, "asnumpy"):  # already an NDArray: on the loader's device
                 return (a if self.device is None or a.device == _device(self.device)
                         else a.copyto(_device(self.device)))
-            return array(np.asarray(a), device=self.device)
+            b = a if isinstance(a, (np.ndarray, np.generic)) else np.asarray(a)
+            if b.dtype.kind not in "biuf":
+                raise TypeError(f"DataLoader: a batch field holds {type(a).__name__} of dtype "
+                                f"{b.dtype}, expected numbers: samples must be arrays or "
+                                f"numbers (or give a batchify_fn that returns arrays)")
+            return array(b, device=self.device)
         def walk(a):                # nested tuples and dicts of arrays (see default_batchify_fn)
             if isinstance(a, dict):
                 return {k: walk(v) for k, v in a.items()}

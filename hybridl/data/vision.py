@@ -180,12 +180,23 @@ def parse_idx(data, name="<bytes>"):
     return np.frombuffer(data[header:], dtype=dtype).reshape(dims)
 
 
-def _decompress(raw, name):
-    """gunzip ``raw`` if it is gzip data; clear error naming the file on corruption."""
+def _decompress(raw, name, limit=None):
+    """gunzip ``raw`` if it is gzip data; clear error naming the file on corruption. With
+    ``limit`` (bytes), data that inflates beyond it is an error found after inflating at most
+    ``limit + 1`` bytes (a small file that inflates to gigabytes must not exhaust memory)."""
     if raw[:2] != b"\x1f\x8b":
         return raw
     try:
-        return gzip.decompress(raw)
+        if limit is None:
+            return gzip.decompress(raw)
+        d = zlib.decompressobj(16 + zlib.MAX_WBITS)      # one gzip member, as IDX files are
+        out = d.decompress(raw, limit + 1)
+        if len(out) > limit:
+            raise DatasetError(f"{name}: the gzip data inflates to more than {limit} bytes, the "
+                               f"size of the expected IDX file (not the official file)")
+        if not d.eof:
+            raise EOFError("compressed stream ended before the end-of-stream marker")
+        return out
     except (OSError, EOFError, zlib.error) as exc:
         raise DatasetError(f"{name}: corrupt or truncated gzip data ({type(exc).__name__}: "
                            f"{exc})") from exc
@@ -216,7 +227,8 @@ class _Resource:
             if got != self.gz_md5:
                 raise DatasetError(f"{where}: MD5 of the downloaded .gz is {got}, expected "
                                    f"{self.gz_md5} (corrupt or not the official file)")
-        data = _decompress(raw, where)
+        # an IDX file of uint8: magic, one int32 per dimension, then the values
+        data = _decompress(raw, where, 4 + 4 * len(self.shape) + int(np.prod(self.shape)))
         if self.md5 is None and self.others:
             other = self.others.get(_md5(data))
             if other is not None:
@@ -263,6 +275,12 @@ class _IDXImageDataset(ArrayDataset):
         _check_train(train, type(self).__name__)
         if root is not None and not isinstance(root, (str, os.PathLike)):
             raise TypeError(f"{type(self).__name__}: root must be a path, got {type(root).__name__}")
+        if root is not None and not os.fspath(root).strip():
+            raise ValueError(f"{type(self).__name__}: root must be a folder path, got {root!r} "
+                             f"(None: the default, $HYBRIDL_DATA/{self.name})")
+        if not isinstance(download, (bool, np.bool_)):
+            raise TypeError(f"{type(self).__name__}: download must be True or False, got "
+                            f"{download!r}")
         if root is not None and os.path.exists(root) and not os.path.isdir(root):
             raise NotADirectoryError(f"{type(self).__name__}: root {root!r} is a file, expected "
                                      f"the folder holding the IDX files")
@@ -273,7 +291,14 @@ class _IDXImageDataset(ArrayDataset):
         elif isinstance(mirrors, str):
             mirrors = [mirrors]
         else:
-            mirrors = list(mirrors)
+            given = mirrors
+            try:
+                mirrors = list(mirrors)
+            except TypeError:
+                mirrors = None
+            if mirrors is None or not all(isinstance(m, str) and m.strip() for m in mirrors):
+                raise TypeError(f"{type(self).__name__}: mirrors must be a base URL or a list "
+                                f"of base URLs (str), got {given!r}")
         if download and not mirrors:
             raise ValueError(f"{type(self).__name__}: mirrors must be a non-empty list of base "
                              f"URLs when download=True, got {mirrors!r}")

@@ -186,5 +186,5 @@ def start_workers(devices):
 def _shutdown():
     try:
         _current.shutdown()
-    except Exception:  # noqa: BLE001
-        pass
+    except (Exception, KeyboardInterrupt):  # noqa: BLE001 - a second Ctrl-C while the
+        pass                                # workers stop: the program is leaving anyway

@@ -6,7 +6,6 @@ PyTorch's state_dict. ``forward`` is ordinary Python over NDArrays. A HybridBloc
 must be traceable (no Python branching on array values); ``hybridize()`` compiles it
 (see :mod:`hybridl.graph`).
 """
-import os
 import re
 import warnings
 from collections import OrderedDict
@@ -164,9 +163,15 @@ class Block:
         half-written file. Names are the attribute paths of ``collect_params()``.
 
         Raises:
-            RuntimeError: a parameter is not initialized.
+            TypeError: ``path`` is not a file path.  RuntimeError: a parameter is not
+            initialized.  FileNotFoundError / IsADirectoryError: the directory does not
+            exist, or ``path`` is one.  OSError: the write failed (the file under ``path``,
+            if any, is unchanged).
         """
         from safetensors.numpy import save_file
+
+        from .._io import check_path
+        path = check_path(path, "save_parameters: path")
         tensors = {name: np.array(p.data().asnumpy(), order="C")        # 0-d stays 0-d
                    for name, p in self.collect_params().items()}
         _atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "hybridl"}))
@@ -185,16 +190,18 @@ class Block:
         differs is an error.
 
         Raises:
-            FileNotFoundError: no such file.
+            TypeError: ``path`` is not a file path.  FileNotFoundError: no such file.
+            IsADirectoryError: ``path`` is a directory.
             ValueError: the file is not a valid safetensors file, names are missing or extra
                 (unless allowed), or a shape or dtype differs — the message names them.
         """
         from safetensors import SafetensorError
         from safetensors.numpy import load_file
+
+        from .._io import check_file
         if not isinstance(cast_dtype, (bool, np.bool_)):
             raise TypeError(f"load_parameters: cast_dtype must be True or False, got {cast_dtype!r}")
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"load_parameters: no such file: {path!r}")
+        path = check_file(path, "load_parameters: path")
         try:
             loaded = load_file(path)
         except (SafetensorError, OSError, ValueError, Exception) as e:  # noqa: BLE001

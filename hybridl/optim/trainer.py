@@ -1,7 +1,6 @@
 """Trainer: applies an optimizer to a set of Parameters (MXNet Gluon's Trainer)."""
 import json
 import numbers
-import os
 import warnings
 
 import numpy as np
@@ -274,10 +273,20 @@ class Trainer:
             _engine.wait_for(st["var"])
 
     def save_states(self, path):
-        """Save optimizer state (safetensors; step counts and hyper-parameters in metadata),
-        written to a temporary file then renamed."""
+        """Save optimizer state (safetensors: the state arrays; in its metadata the optimizer's
+        name, the update counts and the learning rate, not its other settings: a run may
+        resume with another momentum or weight decay), written to a temporary file then
+        renamed.
+
+        Raises:
+            TypeError: ``path`` is not a file path.  FileNotFoundError / IsADirectoryError:
+            the directory does not exist, or ``path`` is one.  OSError: the write failed (the
+            file under ``path``, if any, is unchanged)."""
         from safetensors.numpy import save_file
+
+        from .._io import check_path
         from ..nn.block import _atomic_write
+        path = check_path(path, "save_states: path")
         self._wait_states()
         tensors, counts = {}, {}
         for (i, d), st in self._states.items():
@@ -301,7 +310,8 @@ class Trainer:
         is given to every copy here. Everything is checked before anything changes.
 
         Raises:
-            FileNotFoundError: no such file.
+            TypeError: ``path`` is not a file path.  FileNotFoundError: no such file.
+            IsADirectoryError: ``path`` is a directory.
             ValueError: a corrupt file or not a trainer state file; another optimizer or
                 other optimizer settings (a state array missing, e.g. SGD saved without
                 momentum); names in the file that are not parameters of this trainer (a
@@ -311,8 +321,9 @@ class Trainer:
                 another number of devices that differ from each other.
         """
         from safetensors import safe_open
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"load_states: no such file: {path!r}")
+
+        from .._io import check_file
+        path = check_file(path, "load_states: path")
         try:
             with safe_open(path, framework="numpy") as f:
                 meta = f.metadata() or {}
