@@ -17,6 +17,9 @@ Targets (issue 3, eager): MLP b256 <= 1.15x NumPy by hand; LeNet <= 1.0x PyTorch
 
 With JAX installed the MLP rows also time the peers' jax.jit step in this process, interleaved
 (a ratio free of the machine's drift); pinned to one core that is the issue's "jax.jit (1 core)".
+The MLP rows also time the step's matrix products alone ("GEMMs alone", hybridl's layouts):
+the BLAS floor of any NumPy-based step, against which hybridl's overhead and the peers that
+bring their own GEMM kernels (XLA, oneDNN) can be read.
 """
 import argparse
 import os
@@ -157,6 +160,31 @@ def jax_mlp_step(batch):
     return step
 
 
+def gemm_floor_step(batch):
+    """The matrix products of one MLP training step and nothing else, as hybridl's compiled
+    step makes them (NumPy/OpenBLAS, weights (out, in): forward ``x @ w.T``, weight gradients
+    ``g.T @ a``, input gradients ``g @ w`` for the two upper layers; outputs in preallocated
+    buffers): a floor for any NumPy-based step, which shows how much of a step is BLAS time
+    (and how far a peer with its own GEMMs is below it)."""
+    rng = np.random.default_rng(SEED)
+    dims = [(784, 256), (256, 128), (128, 10)]
+    ws = [rng.standard_normal((fo, fi)).astype(np.float32) for fi, fo in dims]
+    acts = [rng.random((batch, fi), dtype=np.float32) for fi, _ in dims]
+    gs = [rng.random((batch, fo), dtype=np.float32) for _, fo in dims]
+    ys = [np.empty((batch, fo), np.float32) for _, fo in dims]
+    gws = [np.empty_like(w) for w in ws]
+    gxs = [np.empty((batch, fi), np.float32) for fi, _ in dims]
+
+    def step():
+        for a, w, y in zip(acts, ws, ys):
+            np.dot(a, w.T, out=y)
+        for i in (2, 1, 0):
+            np.dot(gs[i].T, acts[i], out=gws[i])
+            if i:
+                np.dot(gs[i], ws[i], out=gxs[i])
+    return step
+
+
 def interleaved(steps, inner, rounds=9):
     """Median ms per call of each of ``steps`` (name -> fn), timed in alternation (``rounds``
     rounds of ``inner`` calls each): the machine's speed drifts, so configurations compared
@@ -206,7 +234,7 @@ def hybridl_step(make_net, batch, shape, mode):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--only", default="mlp32,mlp256,lenet")
     args = ap.parse_args(argv)
@@ -222,6 +250,7 @@ def main(argv=None):
         c, lc = hybridl_step(mlp_net, batch, (784,), "compiled")
         steps = {"hybridl eager": e, "hybridl hybridized": h, "hybridl TrainStep": c,
                  "numpy by hand, this process": numpy_mlp_step(batch)}
+        steps["GEMMs alone (hybridl's layouts)"] = gemm_floor_step(batch)
         jx = jax_mlp_step(batch) if peers else None
         if jx is not None:
             steps["jax.jit, this process"] = jx
@@ -251,7 +280,9 @@ def main(argv=None):
 def _ratios(rows, target_peer=None):
     d = {k: v for k, v in rows if v is not None}
     here = d.get("numpy by hand, this process")
-    peers = {k: v for k, v in d.items() if not k.startswith("hybridl") and k != "numpy by hand, this process"}
+    floor = d.get("GEMMs alone (hybridl's layouts)")
+    peers = {k: v for k, v in d.items() if not k.startswith(("hybridl", "GEMMs"))
+             and k != "numpy by hand, this process"}
     mine = [k for k in ("hybridl eager", "hybridl hybridized", "hybridl TrainStep") if k in d]
     if here is not None:
         for k in mine:
@@ -261,11 +292,22 @@ def _ratios(rows, target_peer=None):
         pinned = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         for k in mine:
             print(f"  {k} / jax.jit (same process, interleaved, {pinned} core(s)): {d[k] / jx:.2f}x")
+        if floor is not None:
+            print(f"  GEMMs alone / jax.jit (same process): {floor / jx:.2f}x (above 1: no step "
+                  f"made of these NumPy/OpenBLAS products can match jax.jit here)")
+    if floor is not None:
+        for k in mine:
+            print(f"  {k} / GEMMs alone: {d[k] / floor:.2f}x (the rest of the step: "
+                  f"{(d[k] - floor) * 1e3:.0f} us)")
     peers = {k: v for k, v in peers.items() if k != "jax.jit, this process"}
     named = [(f"best peer ({min(peers, key=peers.get)})", min(peers, key=peers.get))] if peers else []
     if target_peer in peers:
         named.append((target_peer, target_peer))
     for label, peer in named:
+        if floor is not None and here is not None and d.get("numpy"):
+            print(f"  GEMMs alone / {label}: {floor / peers[peer]:.2f}x; drift-corrected by the "
+                  f"two NumPy runs: {floor / here * d['numpy'] / peers[peer]:.2f}x (above 1: the "
+                  f"peer's whole step is faster than these BLAS calls alone)")
         for k in mine:
             line = f"  {k} / {label}: {d[k] / peers[peer]:.2f}x"
             if here is not None and d.get("numpy"):
