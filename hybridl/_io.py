@@ -7,12 +7,17 @@ old file or the new one, whole. A file that exists keeps its permissions; a new 
 a plain ``open()`` would give under the current umask. A symbolic link stays a link: the file
 it points to is replaced. Temporary names are unique (``tempfile.mkstemp``), so two threads or
 processes saving to the same path never write into one temporary file; the last rename wins,
-and each file under the name is whole.
+and each file under the name is whole. Within one process the renames of one call are not
+interleaved with another call's: a set of files (a graph and its parameters) comes from one
+writer (between processes, the last rename of each file wins).
 """
 import os
 import tempfile
+import threading
 
 __all__ = ["atomic_write", "atomic_write_all", "check_path", "check_file"]
+
+_RENAMES = threading.Lock()     # the rename phase of atomic_write_all (see there)
 
 
 def check_path(path, who):
@@ -102,8 +107,9 @@ def atomic_write_all(items):
             except OSError:
                 mode = 0o666 & ~umask
             os.chmod(tmp, mode)
-        for path, tmp in tmps:
-            os.replace(tmp, path)
+        with _RENAMES:      # one writer's set at a time: two threads exporting to one
+            for path, tmp in tmps:      # prefix leave one export's pair, not a mix
+                os.replace(tmp, path)
         for d in set(dirs):                 # the renames themselves, on disk
             _fsync(d, directory=True)
     finally:

@@ -186,6 +186,9 @@ def _conv_where(c, node, ins, outs):
 def _conv_clip(c, node, ins, outs):
     dt = _out_dt(node)
     lo, hi = node.attrs.get("a_min"), node.attrs.get("a_max")
+    if np.dtype(dt).kind in "iub":      # hybridl's integer bounds: ceil / floor, in range
+        from .ops.math import int_clip_bounds
+        lo, hi = int_clip_bounds(dt, lo, hi)
     args = [ins[0], "" if lo is None else c.const(np.asarray(lo, dt), "clip_min"),
             "" if hi is None else c.const(np.asarray(hi, dt), "clip_max")]
     while args[-1] == "":
@@ -305,7 +308,14 @@ def _conv_bn(c, node, ins, outs):
 
 
 def _conv_reshape(c, node, ins, outs):
-    c.node("Reshape", [ins[0], c.i64(node.attrs["shape"])], outs)
+    shape = [int(d) for d in node.attrs["shape"]]
+    # a 0 in the target shape means "copy the input's dimension" in ONNX unless allowzero
+    # (opset 14+); hybridl's shape is literal
+    kw = {"allowzero": 1} if 0 in shape else {}
+    if kw and c.opset < 14:
+        raise ValueError(f"onnx.export: a reshape to {tuple(shape)} (a zero-size dimension) "
+                         f"needs opset >= 14 (Reshape's allowzero), got opset {c.opset}")
+    c.node("Reshape", [ins[0], c.i64(shape)], outs, **kw)
 
 
 def _conv_transpose(c, node, ins, outs):
@@ -664,9 +674,16 @@ def export(net, sample_input, path, opset=17):
 
     Models of 2 GB and more (the protobuf limit) are not supported (no external data).
 
-    NaN: hybridl's ``max``/``min``/``argmax``/``argmin`` reductions follow NumPy (a NaN
-    wins); onnxruntime's ReduceMax/ReduceMin/ArgMax skip NaN, so on inputs holding NaN the
-    exported model's results of those ops differ. Elementwise ops agree.
+    Where onnxruntime differs from hybridl (NumPy) on edge cases, the exported model does too:
+
+    - NaN: hybridl's ``max``/``min``/``argmax``/``argmin`` reductions and ``max_pool2d``
+      follow NumPy (a NaN wins); onnxruntime's ReduceMax/ReduceMin/ArgMax/MaxPool skip NaN.
+      Elementwise ops agree.
+    - ``mean`` over a zero-size axis: NaN in hybridl, 0 in onnxruntime.
+    - integer overflow (``power`` of int32): hybridl wraps around as NumPy does; onnxruntime's
+      result differs.
+    - ``relu`` of an integer array exports, but onnxruntime (1.2x) has no integer Relu kernel
+      and refuses to load the model: cast to float first.
     """
     args, path, onnx = _check_args(net, sample_input, path, opset)
     g, data_inputs, pvals = _trace(net, args)

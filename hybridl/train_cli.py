@@ -599,6 +599,22 @@ def main_export(argv=None):
     except (ValueError, OSError) as e:
         print(f"hybridl export: error: {e}", file=sys.stderr)
         return 2
+    # no output may land on the --params file or on another output (a link: where it points)
+    from ._io import resolve
+    outs = [("--out", args.out + "-symbol.json"), ("--out", args.out + ".safetensors")]
+    if args.onnx:
+        outs.append(("--onnx", args.onnx))
+    seen = {}
+    if args.params:
+        seen[os.path.abspath(resolve(args.params))] = "the --params file it reads"
+    for opt, path in outs:
+        key = os.path.abspath(resolve(path))
+        if key in seen:
+            print(f"hybridl export: error: {opt} would write {path} over {seen[key]}; choose "
+                  f"other names (e.g. --out {args.out}-graph, --onnx {args.out}.onnx)",
+                  file=sys.stderr)
+            return 2
+        seen[key] = f"the file {opt} writes"
     if args.onnx:
         try:
             import onnx  # noqa: F401 - checked before anything is written
@@ -606,11 +622,6 @@ def main_export(argv=None):
             print("hybridl export: error: --onnx needs the onnx package: pip install -e \".[onnx]\"",
                   file=sys.stderr)
             return 2
-    if args.params and os.path.abspath(args.out + ".safetensors") == os.path.abspath(args.params):
-        print(f"hybridl export: error: --out {args.out} would write {args.out}.safetensors over "
-              f"the --params file it reads; choose another prefix, e.g. --out {args.out}-graph",
-              file=sys.stderr)
-        return 2
     if not args.params:
         print("hybridl export: note: no --params given: exporting freshly initialized weights",
               file=sys.stderr)
@@ -618,7 +629,12 @@ def main_export(argv=None):
     size = 8 if args.dataset == "digits" else 28
     net = _model(args.model, size)
     net.initialize()
-    x = nd.zeros((args.batch_size, 1, size, size))
+    try:
+        x = nd.zeros((args.batch_size, 1, size, size))
+    except MemoryError:
+        print(f"hybridl export: error: --batch-size {args.batch_size}: an example batch that "
+              f"large does not fit in memory", file=sys.stderr)
+        return 2
     net(x)                                          # finish deferred shapes
     try:
         if args.params:

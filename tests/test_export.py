@@ -245,6 +245,12 @@ def test_corrupt_param_files(exported):
     (lambda d: d["inputs"].append(dict(d["inputs"][0])), "listed more than once"),
     (lambda d: d.__setitem__("outputs", []), "non-empty list"),
     (lambda d: d.__setitem__("version", True), "version True"),
+    # a runtime keyword as an attribute imported, then every compiled call failed
+    (lambda d: _op_node(d)["attrs"].__setitem__("out", None), "attribute 'out' is reserved"),
+    (lambda d: d["params"][0].__setitem__("grad_req", "frob"), "grad_req must be"),
+    # a declared 16 TiB input: a clear error, not MemoryError from a zeros() at import
+    (lambda d: [n for n in d["nodes"] if n["kind"] == "input"][0]["specs"][0].__setitem__(
+        0, [2 ** 40, 5]) or d["inputs"][0].__setitem__("shape", [2 ** 40, 5]), "declared"),
 ])
 def test_tampered_graph_is_rejected_at_import(tmp_path, tamper, msg, monkeypatch):
     import copy

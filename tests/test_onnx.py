@@ -272,3 +272,16 @@ def test_activation_layers(tmp_path):
     net.add(hl.nn.Dense(8, in_units=5), hl.nn.LeakyReLU(0.2), hl.nn.Dense(8, in_units=8),
             hl.nn.ELU(), hl.nn.Activation("silu"), hl.nn.Activation("softsign"))
     _check_model(net, (3, 5), tmp_path)
+
+
+def test_integer_clip_and_reshape_to_a_zero_size_shape(tmp_path):
+    """Integer clip bounds were truncated in the export (hybridl rounds them inward: ceil of
+    the lower, floor of the upper) and an infinite or out-of-range bound crashed it; a
+    reshape to a shape with a 0 was read by ONNX as "copy this dimension" (no allowzero)."""
+    ints = np.array([-3, -1, 0, 1, 2, 3], np.int64)
+    _check_fn(lambda x: (F.clip(x, 0.5, 2.5), F.clip(x, -2.5, -0.5), F.clip(x, 0, float("inf")),
+                         F.clip(x, -1e12, 5)), [ints], tmp_path)
+    _check_fn(lambda x: x.reshape((3, 0)), [np.zeros((0, 3), np.float32)], tmp_path)
+    with pytest.raises(ValueError, match="needs opset >= 14"):
+        hl.onnx.export(Fn(lambda x: x.reshape((3, 0))), hl.nd.zeros((0, 3)),
+                       tmp_path / "z.onnx", opset=13)

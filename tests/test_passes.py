@@ -726,3 +726,49 @@ def test_plan_memory_fresh_multi_output_op_frees_its_inputs(monkeypatch):
     args = [x, y] + [p.data() for p in net.collect_params().values()] + [hl.nd.ones((16,))]
     for a, b in zip(fresh(*args), aliased(*args)):
         np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
+
+
+@pytest.mark.filterwarnings("ignore:invalid value")
+def test_long_chains_fuse_in_pieces_and_power_by_a_scalar_stays_numpys():
+    """A chain of ~600 elementwise ops hit Python's recursion limit in fuse_elementwise (the
+    expression is built recursively); x ** 0.5 fused through numexpr's pow gave inf for -inf
+    and 0 for -0.0, where NumPy's sqrt gives nan and -0.0."""
+    prev = P.fusion_threshold()
+    P.set_fusion_threshold(0)
+    try:
+        x = hl.sym.var("x", shape=(4,))
+        y = x
+        for i in range(700):
+            y = y * 1.0001 + 0.001 if i % 2 else nd.tanh(y)
+        xs = np.linspace(-1, 1, 4).astype(np.float32)
+        fused = hl.compile(y)(xs).asnumpy()
+        plain = hl.compile(y, passes=[])(xs).asnumpy()
+        np.testing.assert_allclose(fused, plain, rtol=1e-5)
+        v = np.array([-0.0, -np.inf, 4.0, 9.0], np.float32)
+        z = (x ** 0.5) * 1.0 + 0.0
+        got = hl.compile(z)(v).asnumpy()
+        ref = hl.compile(z, passes=[])(v).asnumpy()
+        np.testing.assert_array_equal(np.signbit(got), np.signbit(ref))
+        np.testing.assert_array_equal(got, ref)
+    finally:
+        P.set_fusion_threshold(prev)
+
+
+def test_a_pass_that_breaks_the_graph_is_named():
+    """A user's pass that relabelled an output's shape or dtype made a program whose result
+    claimed one shape and held another; returning None failed with AttributeError."""
+    from hybridl.graph.ir import Graph, Node
+    x = hl.sym.var("x", shape=(3,))
+    y = x * 2.0
+
+    def returns_none(g):
+        return None
+
+    def wrong_dtype(g):
+        s = g.outputs[0]
+        n = Node("op", s.node.op, s.node.inputs, s.node.attrs, [((3,), np.dtype("int32"))])
+        return Graph(g.inputs, [n.out()])
+    with pytest.raises(ValueError, match="pass 'returns_none' returned NoneType, expected a Graph"):
+        hl.compile(y, passes=[returns_none])
+    with pytest.raises(ValueError, match="pass 'wrong_dtype' changed the graph's outputs"):
+        hl.compile(y, passes=[wrong_dtype])

@@ -810,3 +810,20 @@ def test_save_through_a_dangling_link_fails_before_training_and_a_failed_final_s
     out, err = capsys.readouterr()
     assert rc == 1 and "epoch" in out
     assert "--save: the trained parameters could not be written" in err and "Traceback" not in err
+
+
+def test_export_refuses_an_onnx_path_that_is_another_file_it_reads_or_writes(tmp_path, capsys):
+    """`hybridl export --params ckpt --onnx ckpt` overwrote the checkpoint with the ONNX model
+    (exit 0); --onnx on one of --out's own files left a broken export."""
+    from hybridl.cli import main
+    ckpt = tmp_path / "ckpt.safetensors"
+    assert main(["train", "--model", "mlp", "--epochs", "1", "--quiet", "--save", str(ckpt)]) == 0
+    before = ckpt.read_bytes()
+    capsys.readouterr()
+    for onnx_path in (ckpt, tmp_path / "g.safetensors", tmp_path / "g-symbol.json"):
+        rc = main(["export", "--model", "mlp", "--params", str(ckpt), "--out",
+                   str(tmp_path / "g"), "--onnx", str(onnx_path)])
+        err = capsys.readouterr().err
+        assert rc == 2 and "--onnx would write" in err, err
+    assert ckpt.read_bytes() == before
+    assert not (tmp_path / "g-symbol.json").exists()

@@ -222,6 +222,9 @@ def load_graph_json(path):
                     # code): plain identifiers only
                     if not _attr_name_ok(k):
                         bad(f"node {n['id']}: attribute name {k!r} is not a plain identifier")
+                    if k in _RESERVED_ATTRS:    # passed by the runtime, not by a graph
+                        bad(f"node {n['id']}: attribute {k!r} is reserved (the runtime passes "
+                            f"it), not an attribute of the op")
                 why = _signature_mismatch(_op(n["op"], path), len(n["inputs"]), n["attrs"])
                 if why:
                     bad(f"node {n['id']} ({n['op']}): {why}")
@@ -249,6 +252,10 @@ def load_graph_json(path):
         pnames = [e["name"] for e in doc["params"]]
         if len(set(pnames)) != len(pnames):
             bad("a parameter name is listed more than once in 'params'")
+        for e in doc["params"]:
+            if e.get("grad_req", "write") not in ("write", "add", "null"):
+                bad(f"params entry {e['name']!r}: grad_req must be 'write', 'add' or 'null', "
+                    f"got {e['grad_req']!r}")
         for n in doc["nodes"]:
             if n["kind"] in ("input", "param") and n["id"] not in listed:
                 bad(f"{n['kind']} node {n['id']} is not listed in 'inputs'/'params'")
@@ -269,6 +276,10 @@ def load_graph_json(path):
 # ops that only compiled programs contain (fusion output: its expression string goes to
 # numexpr); an exported graph never holds them
 _NOT_EXPORTED = frozenset({"fused_elementwise"})
+
+
+# kernel keyword arguments that compiled programs and the engine pass themselves
+_RESERVED_ATTRS = frozenset({"out", "_rng"})
 
 
 def _signature_mismatch(op, n_inputs, attrs):
@@ -377,9 +388,8 @@ class SymbolBlock(_get_block_base()):
                 raise ValueError(f"param_file: not given, and symbol_file {symbol_file!r} does not "
                                  f"end in '-symbol.json' to derive it from")
             param_file = symbol_file[:-len("-symbol.json")] + ".safetensors"
-        param_file = os.fspath(param_file)
-        if not os.path.exists(param_file):
-            raise FileNotFoundError(f"param_file: no such file: {param_file!r}")
+        from .._io import check_file
+        param_file = check_file(param_file, "param_file")
         try:
             tensors = load_file(param_file)
         except Exception as e:  # noqa: BLE001
@@ -391,11 +401,11 @@ class SymbolBlock(_get_block_base()):
                 raise ValueError(f"param_file: {param_file!r} lacks parameter {pd['name']!r}")
             a = _one_element(a, pd["shape"])
             if list(a.shape) != list(pd["shape"]):
-                raise ValueError(f"param_file: parameter {pd['name']!r} has shape {list(a.shape)}, "
-                                 f"the graph expects {pd['shape']}")
+                raise ValueError(f"param_file: {param_file!r}: parameter {pd['name']!r} has shape "
+                                 f"{list(a.shape)}, the graph expects {pd['shape']}")
             if a.dtype != np.dtype(pd["dtype"]):
-                raise ValueError(f"param_file: parameter {pd['name']!r} has dtype {a.dtype}, the "
-                                 f"graph expects {pd['dtype']}")
+                raise ValueError(f"param_file: {param_file!r}: parameter {pd['name']!r} has dtype "
+                                 f"{a.dtype}, the graph expects {pd['dtype']}")
             params[pd["name"]] = a
         try:
             consts = {int(k.split("/", 1)[1]): v for k, v in tensors.items()
@@ -410,7 +420,7 @@ class SymbolBlock(_get_block_base()):
                 (shp, dt), = n["specs"]
                 c = consts[n["id"]] = _one_element(consts[n["id"]], shp)
                 if list(c.shape) != list(shp) or c.dtype != np.dtype(dt):
-                    raise ValueError(f"param_file: constant of node {n['id']} is {c.dtype} "
+                    raise ValueError(f"param_file: {param_file!r}: constant of node {n['id']} is {c.dtype} "
                                      f"{list(c.shape)}, the graph expects {dt} {list(shp)}")
         blk = SymbolBlock(doc, params, consts)
         blk._validate(symbol_file)
@@ -422,9 +432,22 @@ class SymbolBlock(_get_block_base()):
         """Infer every node's output shapes and dtypes symbolically (no kernel runs) at the
         exported input shapes; a node whose op rejects its inputs or attributes, or whose
         result differs from what the file declares, is an error now rather than at a call."""
-        from .. import nd
+        import numpy as np
+
+        from ..device import current_device
+        from ..ndarray import NDArray
         from .hybrid import trace_graph
-        args = [nd.zeros(tuple(i["shape"]), i["dtype"]) for i in self._doc["inputs"]]
+        # the trace reads only shapes and dtypes: read-only zero views, no memory (a file
+        # declaring a 16 TiB input is refused by its graph's checks, not by MemoryError)
+        args = []
+        for i in self._doc["inputs"]:
+            shape, dt = tuple(i["shape"]), np.dtype(i["dtype"])
+            try:
+                view = np.broadcast_to(np.zeros((), dt), shape)
+            except ValueError as e:
+                raise ValueError(f"symbol_file: {symbol_file!r}: input {i['name']!r} has shape "
+                                 f"{list(shape)}, which no array can have ({e})") from None
+            args.append(NDArray(shape, dt, current_device(), view))
         try:
             with autograd.predict_mode():
                 trace_graph(self.forward, args)

@@ -307,6 +307,12 @@ FUSED = register("fused_elementwise", _fused_kernel, _fused_infer, None, differe
 FUSED.ew = None
 
 
+# ops per fused kernel: a longer chain is cut into several kernels (the expression is built
+# recursively, one level per op: 600 ops hit Python's recursion limit; numexpr compiles
+# expressions of a few dozen ops as well as longer ones)
+_MAX_FUSED = 64
+
+
 def fuse_elementwise(graph, threshold=None):
     """Fuse chains of elementwise ops (``Op.ew`` templates) into one numexpr kernel.
 
@@ -323,14 +329,18 @@ def fuse_elementwise(graph, threshold=None):
             uses[s.key()] = uses.get(s.key(), 0) + 1
     outs = {s.key() for s in graph.outputs}
 
-    def fusable(s):
-        n = s.node
+    def ew(n):
+        # NumPy computes x ** c for a scalar c of 0.5, 2, -1 ... by sqrt, square, reciprocal
+        # (sqrt(-inf) is nan, pow(-inf, 0.5) inf); numexpr always calls pow: a power with
+        # a one-element exponent stays NumPy's
         return (n.kind == "op" and n.op.ew is not None and len(n.specs) == 1
-                and uses.get(s.key(), 0) == 1 and s.key() not in outs)
+                and not (n.op.name == "power" and int(np.prod(n.inputs[1].shape)) == 1))
+
+    def fusable(s):
+        return ew(s.node) and uses.get(s.key(), 0) == 1 and s.key() not in outs
 
     def big_ew(n):
-        return (n.kind == "op" and n.op.ew is not None and len(n.specs) == 1
-                and int(np.prod(n.specs[0][0])) >= thr)
+        return ew(n) and int(np.prod(n.specs[0][0])) >= thr
 
     # chain roots and the values they absorb: consumers come after producers, so walking the
     # nodes backwards meets each chain at its root first (fusing at inner nodes first would
@@ -340,10 +350,13 @@ def fuse_elementwise(graph, threshold=None):
         if not big_ew(n) or n.outputs()[0].key() in absorbed:
             continue
         stack = list(n.inputs)
+        size = 1                # ops in this chain: at most _MAX_FUSED (see there)
         while stack:
             s = stack.pop()
-            if fusable(s) and int(np.prod(s.shape)) >= 1 and s.key() not in absorbed:
+            if (size < _MAX_FUSED and fusable(s) and int(np.prod(s.shape)) >= 1
+                    and s.key() not in absorbed):
                 absorbed.add(s.key())
+                size += 1
                 stack.extend(s.node.inputs)
     new_of = {}        # original value key -> its value in the rebuilt graph
 
@@ -624,6 +637,23 @@ def check_passes(passes):
     return fns
 
 
+def _check_pass_result(p, before, after):
+    """A pass must return a Graph with the same inputs and outputs (number, shapes, dtypes):
+    a user's pass that got it wrong raises here, naming it, instead of making a program whose
+    results claim one shape or dtype and hold another."""
+    name = getattr(p, "__name__", repr(p))
+    if not isinstance(after, Graph):
+        raise ValueError(f"passes: pass {name!r} returned {type(after).__name__}, expected a Graph")
+
+    def specs(syms):
+        return [(tuple(s.shape), np.dtype(s.dtype)) for s in syms]
+    for what in ("inputs", "outputs"):
+        a, b = specs(getattr(before, what)), specs(getattr(after, what))
+        if a != b:
+            raise ValueError(f"passes: pass {name!r} changed the graph's {what} from {a} to {b}; "
+                             f"a pass must keep them (number, shapes and dtypes)")
+
+
 def run_passes(graph, passes=None):
     """Apply passes (names or functions) in order; default :data:`DEFAULT_PASSES`.
 
@@ -632,7 +662,9 @@ def run_passes(graph, passes=None):
     """
     for p in check_passes(passes):
         plan = getattr(graph, "memory_plan", None)
+        before = graph
         graph = p(graph)
+        _check_pass_result(p, before, graph)
         if plan is not None and not hasattr(graph, "memory_plan"):
             graph.memory_plan = None
     return graph

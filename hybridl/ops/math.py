@@ -550,20 +550,27 @@ def ones_like_op(x):
 # clip
 
 
+def int_clip_bounds(dtype, a_min, a_max):
+    """The bounds clip uses for an integer (or bool) ``dtype``: ``ceil(a_min)`` and
+    ``floor(a_max)`` as values of that dtype, held inside its range (a bound beyond it clips
+    nothing on that side; an infinite one too). None stays None. The ONNX exporter writes
+    the same bounds."""
+    dtype = np.dtype(dtype)
+    info = np.iinfo(dtype) if dtype.kind != "b" else None
+    lo, hi = (info.min, info.max) if info is not None else (0, 1)
+    # an infinite bound is beyond every integer (math.ceil(inf) would overflow)
+    if a_min is not None and math.isinf(a_min):
+        a_min = lo if a_min < 0 else hi
+    if a_max is not None and math.isinf(a_max):
+        a_max = hi if a_max > 0 else lo
+    a_min = None if a_min is None else dtype.type(builtins.min(builtins.max(math.ceil(a_min), lo), hi))
+    a_max = None if a_max is None else dtype.type(builtins.max(builtins.min(math.floor(a_max), hi), lo))
+    return a_min, a_max
+
+
 def _clip_kernel(x, a_min=None, a_max=None, out=None):
-    if x.dtype.kind in "iub":   # keep the dtype: integer bounds ceil(a_min), floor(a_max),
-        # held inside the dtype's range (a bound beyond it clips nothing on that side)
-        info = np.iinfo(x.dtype) if x.dtype.kind != "b" else None
-        lo, hi = (info.min, info.max) if info is not None else (0, 1)
-        # an infinite bound is beyond every integer (math.ceil(inf) would overflow)
-        if a_min is not None and math.isinf(a_min):
-            a_min = lo if a_min < 0 else hi
-        if a_max is not None and math.isinf(a_max):
-            a_max = hi if a_max > 0 else lo
-        a_min = None if a_min is None else x.dtype.type(
-            builtins.min(builtins.max(math.ceil(a_min), lo), hi))
-        a_max = None if a_max is None else x.dtype.type(
-            builtins.max(builtins.min(math.floor(a_max), hi), lo))
+    if x.dtype.kind in "iub":   # keep the dtype (see int_clip_bounds)
+        a_min, a_max = int_clip_bounds(x.dtype, a_min, a_max)
     return np.clip(x, a_min, a_max, out=out)
 
 
