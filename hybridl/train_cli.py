@@ -422,6 +422,9 @@ def main_train(argv=None):
     bad = _digits_data_option(args)
     if bad:
         return _usage_error(bad)
+    if args.distributed and len(devs) > 1:
+        return _usage_error(f"--distributed trains one device per process: drop --devices "
+                            f"{','.join(map(str, devs))} (run more processes instead)")
     if args.save and len(devs) > 1 and args.strategy != "data":
         return _usage_error(f"--save is supported with --strategy data (or one device); the "
                             f"{args.strategy} strategy splits the parameters across devices")

@@ -1247,3 +1247,26 @@ def test_skip_clean_lists_the_writes_that_take_a_failed_inputs_error(engine):
         raises_once_more()
         with pytest.raises(TypeError, match="skip_clean"):
             hl.engine.push(step, [], [loss], skip_clean=[weight])
+
+
+def test_push_checks_priority_device_and_var_lists_before_queueing_anything():
+    """priority='high' was queued before the heap compared it: the device's worker died and
+    waitall hung for good; None ran anyway; device=[...] and writes=None failed with Python's
+    own messages."""
+    from hybridl.engine import Var
+    ran = []
+    for kw, msg in ((dict(priority="high"), "priority: expected an integer"),
+                    (dict(priority=None), "priority: expected an integer"),
+                    (dict(priority=float("nan")), "priority: expected an integer"),
+                    (dict(priority=True), "priority: expected an integer"),
+                    (dict(device=[hl.cpu(0)]), "device: expected a Device"),
+                    (dict(writes=None), "writes: expected an iterable of engine Vars")):
+        args = dict(reads=(), writes=(Var(),), device=hl.cpu(0))
+        args.update(kw)
+        with pytest.raises(TypeError, match=msg):
+            hl.engine.push(lambda: ran.append(1), **args)
+    hl.waitall()                                    # returns: nothing was queued
+    assert ran == []
+    hl.engine.push(lambda: ran.append(1), (), (Var(),), hl.cpu(0), priority=np.int64(3))
+    hl.waitall()
+    assert ran == [1]

@@ -827,3 +827,21 @@ def test_export_refuses_an_onnx_path_that_is_another_file_it_reads_or_writes(tmp
         assert rc == 2 and "--onnx would write" in err, err
     assert ckpt.read_bytes() == before
     assert not (tmp_path / "g-symbol.json").exists()
+
+
+def test_trainer_kvstore_and_cli_distributed_options_are_checked_up_front(capsys):
+    """kvstore='nccl' or 'dist_async' failed only at the first step, kvstore=123 with an
+    AttributeError; `hybridl train --distributed --devices a,b` trained each process on its own
+    (no gradient exchange) and both wrote --save; `hybridl launch --timeout 0` failed in
+    every rank with a traceback."""
+    from hybridl.cli import main
+    net = hl.nn.Dense(2, in_units=2)
+    net.initialize()
+    for bad, err in (("nccl", ValueError), ("dist_async", ValueError), (123, TypeError)):
+        with pytest.raises(err, match="kvstore: expected"):
+            hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore=bad)
+    assert main(["train", "--distributed", "--devices", "cpu:0,cpu:1"]) == 2
+    assert "--distributed trains one device per process" in capsys.readouterr().err
+    for t in ("0", "-5", "nan", "inf"):
+        assert main(["launch", "-n", "2", "--timeout", t, "--", "python", "-c", "1"]) == 2
+        assert "--timeout: expected seconds" in capsys.readouterr().err

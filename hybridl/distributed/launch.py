@@ -91,6 +91,10 @@ def main(argv=None):
         print(f"hybridl launch: error: -n: expected a positive number of processes, got {args.n}",
               file=sys.stderr)
         return 2
+    if args.timeout is not None and not 0 < args.timeout < float("inf"):
+        print(f"hybridl launch: error: --timeout: expected seconds, a finite number > 0, got "
+              f"{args.timeout}", file=sys.stderr)
+        return 2
     mpiexec = find_mpiexec(args.mpiexec)
     if args.dry_run and (not mpiexec or not os.path.exists(mpiexec)):
         print("hybridl launch: note: mpiexec not found; showing the command with 'mpiexec'",

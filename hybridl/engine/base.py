@@ -220,6 +220,24 @@ class Engine:
         """
         if not callable(fn):
             raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
+        # checked before anything is queued: a priority the heap cannot compare killed the
+        # device's worker (and waitall hung)
+        try:
+            if isinstance(priority, bool):
+                raise TypeError
+            priority = operator.index(priority)     # int, NumPy integers
+        except TypeError:
+            raise TypeError(f"priority: expected an integer, got {type(priority).__name__} "
+                            f"{priority!r}") from None
+        try:
+            hash(device)
+        except TypeError:
+            raise TypeError(f"device: expected a Device (or a hashable queue key), got "
+                            f"{type(device).__name__} {device!r}") from None
+        for what, vs in (("reads", reads), ("writes", writes)):
+            if vs is None or isinstance(vs, (str, bytes)) or not hasattr(vs, "__iter__"):
+                raise TypeError(f"{what}: expected an iterable of engine Vars, got "
+                                f"{type(vs).__name__} {vs!r}")
         if pure is not True and pure is not False:
             try:
                 hash(pure)              # a cost key (both engines: the threaded one uses it)
@@ -394,11 +412,12 @@ class Engine:
         device's GEMMs were queued). The naive engine and the threaded one then give the same
         results for the same program, on one device or several, also when a program switches
         engines."""
-        if self._gen != _KEYS["gen"]:
+        gen = _KEYS["gen"]
+        if self._gen != gen:
             n = _KEYS["busy"]
-            self._gen = _KEYS["gen"]
             self._budget_changed(max(1, _blas_module().cores() // max(1, n)))
-        return self._budget
+            self._gen = gen     # after the budget: a thread that sees the new generation
+        return self._budget     # also sees its budget (was None in 3 of 300 racing calls)
 
     def _workers_per_key(self):
         return 1

@@ -19,6 +19,27 @@ def check_batch_size(batch_size):
         raise ValueError(f"batch_size: expected a positive number, got {batch_size!r}")
 
 
+_KV_NAMES = ("device", "local", "dist", "dist_sync")
+
+
+def _check_kvstore(kvstore):
+    """``kvstore`` must be None, a KVStore, or one of :data:`_KV_NAMES`.
+
+    Raises:
+        ValueError / TypeError: anything else (the message lists the names)."""
+    if kvstore is None or isinstance(kvstore, str) and kvstore in _KV_NAMES:
+        return
+    from ..kv import KVStore
+    if isinstance(kvstore, KVStore) or hasattr(kvstore, "pushpull"):
+        return                          # a KVStore instance (the dist one too)
+    if isinstance(kvstore, str):
+        raise ValueError(f"kvstore: expected one of {list(_KV_NAMES)} (or a KVStore), got "
+                         f"{kvstore!r}" + ("; asynchronous updates are not provided"
+                                           if kvstore.startswith("dist") else ""))
+    raise TypeError(f"kvstore: expected None, a name {list(_KV_NAMES)} or a KVStore, got "
+                    f"{type(kvstore).__name__} {kvstore!r}")
+
+
 class Trainer:
     """``Trainer(params, optimizer='sgd', optimizer_params=None, kvstore=None)``.
 
@@ -68,6 +89,7 @@ class Trainer:
             raise ValueError("optimizer_params: must be None when optimizer is an Optimizer instance")
         self._states = {}
         self._ignore_stale = False
+        _check_kvstore(kvstore)     # here, not at the first step
         self._kv_spec = kvstore
         self._kv = None
         self._kv_ready = False
