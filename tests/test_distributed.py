@@ -497,3 +497,76 @@ def test_launch_hybridl_train_distributed(tmp_path):
     assert out.stdout.count("done:") == 1 and "over 2 processes" in out.stdout
     assert save.exists() and not list(tmp_path.glob(".*tmp*"))
     assert time.perf_counter() - t0 < 80
+
+
+_FAILED_ON_ONE_RANK = """
+import sys
+import numpy as np
+import hybridl as hl
+from hybridl import autograd, nn, distributed as dist
+rank, size = dist.init()
+out = sys.argv[1]
+# 1. a collective whose input failed on rank 0 only: every rank fails it, and the next one is
+#    still paired with the next one (was: rank 1 got rank 0's next allreduce, data mixed)
+x = hl.nd.array(np.ones(2, np.float32))
+if rank == 0:
+    x = hl.nd.take(x, hl.nd.array([0, 7]), mode="raise")      # fails: index 7
+y = dist.allreduce(x)
+z = dist.allreduce(hl.nd.array(np.ones(2, np.float32)))
+try:
+    y.asnumpy()
+    y_res = "ok"
+except hl.OpError as e:
+    y_res = type(e.original).__name__
+# 2. kvstore 'dist' training where rank 0's batch of step 1 fails (a bad label): every rank
+#    skips that step, so the ranks' weights stay identical
+hl.random.seed(0)
+net = nn.Sequential()
+net.add(nn.Dense(6, in_units=4, activation="relu"), nn.Dense(3, in_units=6))
+net.initialize()
+tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
+                kvstore="dist")
+rng = np.random.default_rng(rank)
+skipped = []
+for i in range(4):
+    xb = hl.nd.array(rng.standard_normal((5, 4)).astype(np.float32))
+    lab = rng.integers(0, 3, 5).astype(np.float32)
+    if rank == 0 and i == 1:
+        lab[0] = 99
+    try:
+        with autograd.record():
+            loss = hl.loss.SoftmaxCrossEntropyLoss()(net(xb), hl.nd.array(lab))
+        loss.backward()
+        tr.step(5)
+        loss.asnumpy()
+    except hl.OpError:
+        skipped.append(i)
+        try:
+            hl.waitall()
+        except hl.OpError:
+            pass
+try:
+    hl.waitall()
+except hl.OpError:
+    pass
+w = np.concatenate([p.data().asnumpy().ravel() for p in net.collect_params().values()])
+np.savez(out + f"{rank}.npz", y=np.array(y_res), z=z.asnumpy(), w=w)
+"""
+
+
+@mpi
+def test_a_batch_that_fails_on_one_rank_fails_the_step_on_every_rank(tmp_path):
+    """A failed input on one rank skipped that rank's collective: the other rank's collective
+    was paired with the next one (allreduce results of different calls mixed, then a timeout),
+    and in training the ranks' weights diverged. Now every rank takes part, the failure is
+    shared in-band, and every rank skips the step."""
+    script = _script(tmp_path, "failed.py", _FAILED_ON_ONE_RANK)
+    out, dt = _mpirun([sys.executable, script, str(tmp_path / "r")], HYBRIDL_DIST_TIMEOUT=20)
+    assert out.returncode == 0, out.stderr
+    r0, r1 = np.load(tmp_path / "r0.npz"), np.load(tmp_path / "r1.npz")
+    # rank 0: its own input's error (IndexError from take); rank 1: the shared failure
+    assert str(r0["y"]) == "IndexError" and str(r1["y"]) == "DistributedError"
+    np.testing.assert_array_equal(r0["z"], [2.0, 2.0])
+    np.testing.assert_array_equal(r1["z"], [2.0, 2.0])
+    np.testing.assert_array_equal(r0["w"], r1["w"])
+    assert dt < 20, dt

@@ -63,6 +63,7 @@ class _State:
         self.inflight = None        # (seq, name, nbytes, t_start) of the running collective
         self.watchdog = None
         self.lock = threading.Lock()
+        self.failed_input = None    # the running collective's failed input (see push_collective)
 
 
 def _env_timeout():
@@ -191,18 +192,30 @@ def push_collective(fn, reads=(), writes=(), name="collective", nbytes=0, priori
     leaves the ranks' collective sequences out of step, so it aborts the job with a message (a
     Python error raised by ``fn`` itself, e.g. a layout check that every rank makes alike, is an
     ordinary op error raised at the next sync point).
+
+    A failed input (an op of this rank's batch that raised) must not skip the collective:
+    the other ranks would pair their next collective with it, and mix data of different
+    steps. So the op runs anyway: :func:`failed_input` tells ``fn`` so (it then takes part
+    with zeros, and where it can, tells the other ranks in-band so that they fail too), and
+    its outputs on this rank take the input's error afterwards.
     """
     st = state
     seq = next(st.seq)
     MPI = st.mpi
 
+    reads = list(reads)
+
     def run():
         comm = st.comm
         cur = (seq, name, nbytes, time.perf_counter())
+        failed = next((v.exc for v in reads if v.exc is not None), None)
+        st.failed_input = failed
         st.inflight = cur
         try:
-            return fn(comm)
+            fn(comm)
         except DistributedError:
+            if failed is not None:  # this rank's own error says more than the ranks' one
+                raise _original(failed) from None
             raise
         except Exception as e:  # noqa: BLE001
             if MPI is not None and isinstance(e, MPI.Exception):
@@ -210,13 +223,29 @@ def push_collective(fn, reads=(), writes=(), name="collective", nbytes=0, priori
             raise
         finally:
             st.inflight = None
+            st.failed_input = None
+        if failed is not None:      # took part with zeros: this rank's results are not real
+            raise _original(failed)
 
     w = list(writes)
     w.append(COMM_VAR)
-    # a thread waiting for the result may run it itself (it would only block meanwhile)
+    # a thread waiting for the result may run it itself (it would only block meanwhile); a
+    # failed input does not skip it (see above)
     _engine.push(run, reads, w, COMM_KEY, priority, name,
-                 {"bytes": float(nbytes), "waiter_may_run": True})
+                 {"bytes": float(nbytes), "waiter_may_run": True, "runs_on_failed_input": True})
     return seq
+
+
+def _original(err):
+    """The exception behind a failed input's OpError (raised again by the collective, whose
+    outputs then carry it as their ``original``, as an op skipped for it would)."""
+    return getattr(err, "original", None) or err
+
+
+def failed_input():
+    """Inside a collective's ``fn``: the error of a failed input of this rank (it must take
+    part with zeros instead of reading it), else None."""
+    return state.failed_input
 
 
 def mpi_op(op):
@@ -234,13 +263,16 @@ def layout_tag(text, small=True):
 
 
 def check_layout(comm, text, what):
-    """One tiny collective (``MPI_Allreduce`` MAX of (h, -h), h a hash of ``text``): every rank
-    raises DistributedError when the ranks' ``text`` differ, before any rank posts a
-    mismatched data collective (which MPI may answer with a hang, a truncation error or a
-    crash)."""
+    """One tiny collective (``MPI_Allreduce`` MAX of (h, -h, failed), h a hash of ``text``):
+    every rank raises DistributedError when the ranks' ``text`` differ, before any rank posts
+    a mismatched data collective (which MPI may answer with a hang, a truncation error or a
+    crash), and when a rank's input failed (see push_collective): then no rank posts it."""
     h = layout_tag(text, small=False)
-    buf = np.array([h, -h], dtype=np.int64)
+    buf = np.array([h, -h, int(failed_input() is not None)], dtype=np.int64)
     comm.Allreduce(state.mpi.IN_PLACE, buf, op=state.mpi.MAX)
+    if buf[2]:
+        raise DistributedError(f"{what}: the input failed on a rank (that rank raises its "
+                               f"error); no rank ran this collective")
     if buf[0] != h or buf[1] != -h:
         raise DistributedError(f"{what}: the ranks called it with different arguments (this rank: "
                                f"{text}); every rank must issue the same collectives with the "

@@ -231,9 +231,10 @@ class DistKVStore(KVStore):
                 buf = np.empty(n, dtype=dt)
                 off = 0
                 if self._st.rank == root:
+                    failed = _backend.failed_input() is not None
                     for _, vals in members:
                         c = vals[0].size
-                        buf[off:off + c] = np.asarray(vals[0]._data).reshape(-1)
+                        buf[off:off + c] = 0 if failed else np.asarray(vals[0]._data).reshape(-1)
                         off += c
                 comm.Bcast(buf, root=int(root))
                 off = 0
@@ -320,7 +321,11 @@ class DistKVStore(KVStore):
         reads = [v._var for vals, _, _ in items for v in vals]
         writes = [o._var for _, outs, _ in items for o in outs]
         n, dt, tag, size = b.n, b.dtype, b.tag, st.size
+        # (tag, tag^2) checks the ranks' layouts; a third element counts the ranks whose
+        # gradients failed (see _backend.push_collective): then every rank fails this step
         extra = _backend.tag_values(tag, "sum", dt) if dt in (np.float32, np.float64) else None
+        if extra is not None:
+            extra = np.append(extra, 0).astype(dt)
 
         bufs = self._bufs
 
@@ -332,18 +337,29 @@ class DistKVStore(KVStore):
             # handed out as views of the buffer (no copy out), so a buffer is reused only once
             # nothing refers to it any more (the next backward has replaced those gradients);
             # while a view is still held elsewhere, another buffer of the bucket's pool is used.
-            buf = _free_buffer(bufs.setdefault(b.index, []), n + (2 if extra is not None else 0), dt)
+            buf = _free_buffer(bufs.setdefault(b.index, []),
+                               n + (0 if extra is None else len(extra)), dt)
+            failed = _backend.failed_input() is not None
             for (vals, _, _), off, cnt in zip(items, b.offsets, b.counts):
                 seg = buf[off:off + cnt]
+                if failed:              # a gradient of this rank failed: take part with zeros
+                    seg[...] = 0
+                    continue
                 seg[...] = np.asarray(vals[0]._data).reshape(-1)
                 for v in vals[1:]:
                     seg += np.asarray(v._data).reshape(-1)
             if size > 1:
                 if extra is not None:
                     buf[n:] = extra
+                    buf[n + 2] = 1 if failed else 0
                 comm.Allreduce(st.mpi.IN_PLACE, buf, op=st.mpi.SUM)
                 if extra is not None:
-                    _backend.check_tag(buf[n:], tag, "sum", size, f"gradient {b.name}")
+                    _backend.check_tag(buf[n:n + 2], tag, "sum", size, f"gradient {b.name}")
+                    if buf[n + 2]:
+                        raise DistributedError(
+                            f"gradient {b.name}: the gradients of {int(buf[n + 2])} rank(s) "
+                            f"failed (their batch's error is raised there); every rank skips "
+                            f"this step's update of these parameters")
             for (_, outs, _), off, cnt, shp in zip(items, b.offsets, b.counts, b.shapes):
                 res = buf[off:off + cnt].reshape(shp)
                 for o in outs:

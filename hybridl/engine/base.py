@@ -538,6 +538,9 @@ class Engine:
             return err
         for v in op.reads:
             if v.exc is not None:           # an input failed: do not run, pass the error on
+                if meta is not None and meta.get("runs_on_failed_input"):
+                    break                   # (a collective: every rank must take part in it,
+                    # see hybridl.distributed._backend.push_collective; it handles the error)
                 skip = op.skip_clean
                 if skip is not True:        # (a list: only those writes take it)
                     for w in (op.writes if skip is False else skip):

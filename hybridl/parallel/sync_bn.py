@@ -74,6 +74,7 @@ class _Group:
         self.gate = Var(f"sync_bn.{what}.gate")
         self.bwd = None
         self.global_totals = None
+        self.channels = None
         _engine.push(self._wait, [], [self.gate], _QUEUE, 0, f"sync_bn.{what}.gate")
         dist = _dist_state()
         if dist is not None:        # several processes: sum the partial sums over the ranks too
@@ -82,10 +83,12 @@ class _Group:
             push_collective(self._reduce_ranks, [local_gate], [self.gate],
                             f"sync_bn.{what}.allreduce")
 
-    def join(self, device, input_vars):
-        """Add ``device``'s member (caller holds the layer's lock); its index."""
+    def join(self, device, input_vars, channels):
+        """Add ``device``'s member (caller holds the layer's lock); its index. ``channels``:
+        C, the length of the per-channel sums (each partial is (C,), (C,) and a count)."""
         self.devices.append(device)
         self.inputs.extend(input_vars)
+        self.channels = channels
         return len(self.devices) - 1
 
     def open_to(self, device):
@@ -146,14 +149,28 @@ class _Group:
 
     def _reduce_ranks(self, comm):
         """On the MPI communication queue: allreduce (sum) of this process's totals."""
-        from ..distributed._backend import state
-        loc = [np.atleast_1d(np.asarray(t, dtype=np.float64)) for t in self.local_totals()]
-        flat = np.concatenate([t.ravel() for t in loc])
+        from ..distributed._backend import DistributedError, failed_input, state
+        # per-channel sum, sum of squares (or the backward's two sums) and a count, then the
+        # number of ranks whose batch failed: those take part with zeros (see push_collective)
+        c = self.channels
+        shapes = [(c, (c,)), (c, (c,)), (1, ())]
+        flat = np.zeros(2 * c + 2)
+        if failed_input() is not None:
+            flat[-1] = 1
+        else:
+            off = 0
+            for (size, _), t in zip(shapes, self.local_totals()):
+                flat[off:off + size] = np.asarray(t, dtype=np.float64).ravel()
+                off += size
         comm.Allreduce(state.mpi.IN_PLACE, flat, op=state.mpi.SUM)
+        if flat[-1]:
+            raise DistributedError(f"SyncBatchNorm: the batch of {int(flat[-1])} rank(s) failed "
+                                   f"(their error is raised there); this step's statistics "
+                                   f"fail on every rank")
         out, off = [], 0
-        for t, orig in zip(loc, self.local_totals()):
-            out.append(flat[off:off + t.size].reshape(np.shape(orig)))
-            off += t.size
+        for size, shape in shapes:
+            out.append(flat[off:off + size].reshape(shape))
+            off += size
         self.global_totals = out
 
 
@@ -275,7 +292,7 @@ def _backward_ops(mem, gy):
     dev = x.device
     with g.lock:             # devices' backward passes may run in several threads at once
         g.bwd = bg = _next_group(g.bwd, dev, g.k, "backward")
-        idx = bg.join(dev, [gy._var])
+        idx = bg.join(dev, [gy._var], x.shape[axis])
     red = tuple(i for i in range(len(x.shape)) if i != axis)
     dx = NDArray(x.shape, x.dtype, dev)
     dgamma = NDArray(gamma.shape, gamma.dtype, dev)
@@ -364,5 +381,5 @@ class SyncBatchNorm(BatchNorm):
             with _LAYER_LOCK:       # replicas called from several threads: one group per step
                 g = _next_group(self._group, dev, k, "forward")
                 object.__setattr__(self, "_group", g)
-                idx = g.join(dev, [x._var, gm._var, bt._var])
+                idx = g.join(dev, [x._var, gm._var, bt._var], x.shape[self._axis % len(x.shape)])
             return _forward(self, g, idx, x, gm, bt, rm, rv)
