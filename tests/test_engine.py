@@ -427,6 +427,29 @@ def test_exit_with_pending_work_is_clean():
     assert elapsed < 20.0
 
 
+def test_exit_reports_unwaited_errors_and_cancelled_ops():
+    """Ops pending at exit were cancelled, and the error of an op nobody waited for was lost,
+    without a word (exit code 0). Exit still cancels (see the test above), but says so."""
+    code = textwrap.dedent("""
+        import time, hybridl as hl
+        from hybridl.engine import Var
+        v = Var()
+        def fails():
+            raise RuntimeError("nobody waited for me")
+        hl.engine.push(fails, [], [Var()], hl.cpu(1))
+        time.sleep(0.5)                              # it has run (and failed)
+        hl.engine.push(lambda: time.sleep(1.0), [], [v], hl.cpu(0))
+        for _ in range(3):
+            hl.engine.push(lambda: None, [v], [Var()], hl.cpu(0))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "HYBRIDL_ENGINE": "threaded"})
+    assert r.returncode == 0, r.stderr
+    assert "an op failed and nothing waited for its result" in r.stderr
+    assert "nobody waited for me" in r.stderr
+    assert "3 pushed op(s) had not run when the program ended and were cancelled" in r.stderr
+
+
 # ============================================================================ frontend threads
 
 def test_four_frontend_threads():

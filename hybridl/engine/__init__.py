@@ -11,6 +11,7 @@ Public interface (DESIGN §3)::
 ``HYBRIDL_ENGINE=naive|threaded`` selects the engine at import (default ``threaded``).
 """
 import atexit
+import sys
 import contextlib
 import os
 import threading
@@ -184,7 +185,30 @@ def start_workers(devices):
 
 @atexit.register
 def _shutdown():
+    """At exit the workers stop: queued ops are cancelled, running ones get a moment to
+    finish (DESIGN: exit finishes or cancels pending work, cleanly). Nothing goes unsaid: the
+    errors of ops whose results nothing waited for, and how many pushed ops were cancelled,
+    are printed on stderr (``hl.waitall()`` before the end runs everything and raises). After
+    a Ctrl-C that ended the program nothing is printed (the user asked to stop)."""
+    eng = _current
     try:
-        _current.shutdown()
+        eng.shutdown()
     except (Exception, KeyboardInterrupt):  # noqa: BLE001 - a second Ctrl-C while the
         pass                                # workers stop: the program is leaving anyway
+    try:
+        if getattr(sys, "last_type", None) is KeyboardInterrupt:
+            return
+        with eng._err_lock:
+            lost = [e for e in eng._errors if not e.reported]
+        for e in lost[:3]:
+            head = str(e).strip().splitlines()[0]       # (the traceback: at waitall())
+            print(f"hybridl: an op failed and nothing waited for its result: {head}",
+                  file=sys.stderr)
+        if len(lost) > 3:
+            print(f"hybridl: ... and {len(lost) - 3} more failed op(s)", file=sys.stderr)
+        n = getattr(eng, "cancelled_at_exit", 0)
+        if n:
+            print(f"hybridl: {n} pushed op(s) had not run when the program ended and were "
+                  f"cancelled (call hl.waitall() before the end to run them)", file=sys.stderr)
+    except (Exception, KeyboardInterrupt):  # noqa: BLE001 - nothing may fail at exit
+        pass

@@ -202,6 +202,7 @@ class ThreadedEngine(Engine):
         self._gating = False           # the budget has changed once: run_ready takes the lock
         self._solo = True              # one compute worker in the process (_budget_changed)
         self._gap = None               # [cell, thread, last engine exit, longest stretch]
+        self.cancelled_at_exit = 0     # ops shutdown() cancelled (reported at exit)
 
     # ------------------------------------------------------------------ BLAS budget
     def _workers_per_key(self):
@@ -708,6 +709,7 @@ class ThreadedEngine(Engine):
                 _taken(q)                   # (a pusher may wait for a worker to take one)
                 while q.heap:
                     op = heapq.heappop(q.heap)
+                    self.cancelled_at_exit += 1
                     err = OpError(op.name, RuntimeError(
                         "the engine was shut down before this op ran"), "")
                     for w in op.writes:
