@@ -570,3 +570,49 @@ def test_a_batch_that_fails_on_one_rank_fails_the_step_on_every_rank(tmp_path):
     np.testing.assert_array_equal(r1["z"], [2.0, 2.0])
     np.testing.assert_array_equal(r0["w"], r1["w"])
     assert dt < 20, dt
+
+
+_UNUSED_ON_ONE_RANK = """
+import sys
+import numpy as np
+import hybridl as hl
+from hybridl import autograd, nn, distributed as dist
+rank, size = dist.init()
+
+
+class TwoHeads(nn.Block):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Dense(3, in_units=4)
+        self.b = nn.Dense(3, in_units=4)
+
+    def forward(self, x, use_b):
+        return self.a(x) + (self.b(x) if use_b else 0.0)
+
+
+hl.random.seed(0)
+net = TwoHeads()
+net.initialize()
+tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
+                kvstore="dist")
+rng = np.random.default_rng(rank)
+for i in range(3):
+    x = hl.nd.array(rng.standard_normal((4, 4)).astype(np.float32))
+    with autograd.record():
+        loss = net(x, use_b=not (rank == 1 and i == 1)).sum()      # b unused on rank 1, step 1
+    loss.backward()
+    tr.step(4, ignore_stale_grad=True)
+w = np.concatenate([p.data().asnumpy().ravel() for p in net.collect_params().values()])
+np.save(sys.argv[1] + f"{rank}.npy", w)
+"""
+
+
+@mpi
+def test_a_parameter_unused_on_one_rank_keeps_the_replicas_identical(tmp_path):
+    """kvstore='dist': a parameter one rank's step did not use went into the sum with that
+    rank's previous gradient, and that rank then skipped its update: the ranks' weights
+    differed (1e-1). Now it adds zero and every rank takes the summed step."""
+    script = _script(tmp_path, "unused.py", _UNUSED_ON_ONE_RANK)
+    out, _ = _mpirun([sys.executable, script, str(tmp_path / "w")])
+    assert out.returncode == 0, out.stderr
+    np.testing.assert_array_equal(np.load(tmp_path / "w0.npy"), np.load(tmp_path / "w1.npy"))

@@ -154,13 +154,16 @@ class Trainer:
         if self._kv is None:
             return
         n = len(self._params)
+        # several processes: a parameter this rank's step did not use (its gradient is the
+        # previous step's) adds zero and takes the others' step, so replicas stay identical
+        ranks = getattr(self._kv, "num_workers", 1) > 1
         for i in reversed(range(n)):          # last layers first, at the highest priority: their
             # gradients are ready first, while backward of earlier layers is still running
             p = self._params[i]
             grads = p.list_grad()
-            if len(grads) > 1:
+            if len(grads) > 1 or ranks:
                 fresh = [getattr(g, "_fresh", True) for g in grads]
-                if any(fresh) and not all(fresh):
+                if not all(fresh) and (ranks or any(fresh)):
                     # a copy no backward wrote this step (its device got no data: a batch
                     # smaller than the number of devices) adds nothing new to the sum: with
                     # 'write' its buffer holds the previous step's gradient and is zeroed; with
@@ -226,7 +229,10 @@ class Trainer:
             batch_size (int): gradients are scaled by 1 / batch_size (the loss is a sum over
                 the batch in the usual ``loss.backward()``). With a ``'dist'`` kvstore this is
                 the batch of THIS process: the summed gradients are also divided by the number
-                of processes (the mean over the global batch, as Horovod does).
+                of processes (the mean over the global batch, as Horovod does). There, a
+                parameter this process's step did not use adds zero to the sum and is updated
+                like the others (replicas stay identical; when no process used it, its
+                update has a zero gradient: momentum and weight decay still apply).
 
         Raises:
             ValueError: batch_size <= 0.
