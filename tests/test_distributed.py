@@ -616,3 +616,42 @@ def test_a_parameter_unused_on_one_rank_keeps_the_replicas_identical(tmp_path):
     out, _ = _mpirun([sys.executable, script, str(tmp_path / "w")])
     assert out.returncode == 0, out.stderr
     np.testing.assert_array_equal(np.load(tmp_path / "w0.npy"), np.load(tmp_path / "w1.npy"))
+
+
+_UNEVEN = """
+import sys
+import numpy as np
+import hybridl as hl
+from hybridl import autograd, nn, distributed as dist
+rank, size = dist.init()
+hl.random.seed(0)
+net = nn.Dense(3, in_units=4)
+net.initialize()
+tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
+                kvstore="dist" if size > 1 else None)
+data = np.random.default_rng(5).standard_normal((8, 4)).astype(np.float32)
+parts = [data[:5], data[5:]] if size > 1 else [data]      # rank 0: 5 samples, rank 1: 3
+for _ in range(2):
+    x = hl.nd.array(parts[rank])
+    with autograd.record():
+        loss = (net(x) ** 2).sum()
+    loss.backward()
+    tr.step(x.shape[0])
+np.save(sys.argv[1] + f"{rank}.npy", net.weight.data().asnumpy())
+"""
+
+
+@mpi
+def test_uneven_local_batches_give_the_mean_over_the_global_batch(tmp_path):
+    """Ranks calling trainer.step with different local batch sizes (an uneven last batch)
+    each scaled the summed gradient by its own 1 / (batch * size): the replicas differed
+    (5e-2) and neither had the global mean. Now the update is the mean over the global batch
+    on every rank, as one process training on the whole batch."""
+    script = _script(tmp_path, "uneven.py", _UNEVEN)
+    single = _single([script, str(tmp_path / "s")])
+    assert single.returncode == 0, single.stderr
+    out, _ = _mpirun([sys.executable, script, str(tmp_path / "d")])
+    assert out.returncode == 0, out.stderr
+    ref = np.load(tmp_path / "s0.npy")
+    for r in (0, 1):
+        np.testing.assert_allclose(np.load(tmp_path / f"d{r}.npy"), ref, rtol=1e-5, atol=1e-7)

@@ -127,6 +127,10 @@ class DistKVStore(KVStore):
         self._key_bucket = {}
         self._staged = {}           # bucket index -> {key: (values, outs, priority)}
         self._bufs = {}             # bucket index -> its communication buffer (reused)
+        # this process's batch size for the current step (set by Trainer.step; None: not
+        # known). Ranks with different batches: the reduced gradients are rescaled so that
+        # each rank's update 1 / (batch * size) becomes 1 / (the sum of the ranks' batches)
+        self.local_batch = None
 
     # ------------------------------------------------------------------ info
     @property
@@ -324,8 +328,10 @@ class DistKVStore(KVStore):
         # (tag, tag^2) checks the ranks' layouts; a third element counts the ranks whose
         # gradients failed (see _backend.push_collective): then every rank fails this step
         extra = _backend.tag_values(tag, "sum", dt) if dt in (np.float32, np.float64) else None
+        # then this rank's batch and whether it is known (see local_batch)
+        lb = self.local_batch
         if extra is not None:
-            extra = np.append(extra, 0).astype(dt)
+            extra = np.append(extra, [0, lb or 0, 1 if lb else 0]).astype(dt)
 
         bufs = self._bufs
 
@@ -360,6 +366,11 @@ class DistKVStore(KVStore):
                             f"gradient {b.name}: the gradients of {int(buf[n + 2])} rank(s) "
                             f"failed (their batch's error is raised there); every rank skips "
                             f"this step's update of these parameters")
+                    total, known = float(buf[n + 3]), int(buf[n + 4])
+                    if known == size and lb and total != lb * size:
+                        # unequal batches: the update's 1 / (lb * size) must give the mean
+                        # over the global batch, 1 / total (equal batches: exactly 1, skipped)
+                        buf[:n] *= np.dtype(dt).type(lb * size / total)
             for (_, outs, _), off, cnt, shp in zip(items, b.offsets, b.counts, b.shapes):
                 res = buf[off:off + cnt].reshape(shp)
                 for o in outs:

@@ -138,7 +138,7 @@ class Trainer:
         if self._params:            # all keys in one call: a 'dist' store checks them at once
             self._kv.init(list(range(len(self._params))), [p.list_data() for p in self._params])
 
-    def allreduce_grads(self):
+    def allreduce_grads(self, _batch=None):
         """Sum each parameter's gradients over its device copies (and processes), in place.
 
         A copy that no backward wrote since the last step (its device got no data) counts as
@@ -153,6 +153,8 @@ class Trainer:
         self._reduced = {}
         if self._kv is None:
             return
+        if hasattr(self._kv, "local_batch"):    # a 'dist' store: this process's batch (from
+            self._kv.local_batch = _batch       # step(); unknown when called directly)
         n = len(self._params)
         # several processes: a parameter this rank's step did not use (its gradient is the
         # previous step's) adds zero and takes the others' step, so replicas stay identical
@@ -229,7 +231,9 @@ class Trainer:
             batch_size (int): gradients are scaled by 1 / batch_size (the loss is a sum over
                 the batch in the usual ``loss.backward()``). With a ``'dist'`` kvstore this is
                 the batch of THIS process: the summed gradients are also divided by the number
-                of processes (the mean over the global batch, as Horovod does). There, a
+                of processes (the mean over the global batch, as Horovod does); processes with
+                different batches (an uneven last batch) get the mean over the sum of their
+                batches (up to the last bit: each rank rounds its own scale). There, a
                 parameter this process's step did not use adds zero to the sum and is updated
                 like the others (replicas stay identical; when no process used it, its
                 update has a zero gradient: momentum and weight decay still apply).
@@ -251,7 +255,7 @@ class Trainer:
                           f"them, create a new Trainer now that they are unfrozen",
                           UserWarning, stacklevel=2)
         self._ignore_stale = ignore_stale_grad
-        self.allreduce_grads()
+        self.allreduce_grads(_batch=batch_size)
         self.update(batch_size)
         # an error no sync point raised (a failing op on the gradients of an earlier step: its
         # update was skipped, the weights stay usable) is raised here rather than going
