@@ -43,8 +43,10 @@ class Event:
         key: the engine queue key: a Device, or ``('copy', Device)`` for a copy.
         device: the Device (the copy's destination for copies), or the key itself when it is
             not a Device.
-        queue (str): ``'compute'``, ``'copy'``, ``'bulk'`` (a bulk group containing other events)
-            or ``'frontend'`` (a span of the Python program marked with :meth:`Profile.span`).
+        queue (str): ``'compute'``, ``'copy'``, ``'bulk'`` (a bulk group containing other events),
+            ``'comm'`` (an MPI collective), ``'sync'`` (a wait for other devices, e.g.
+            SyncBatchNorm's gate) or ``'frontend'`` (a span of the Python program marked with
+            :meth:`Profile.span`).
         thread (str): name of the thread that ran the op (``hybridl-cpu(0)-w0``, ``MainThread``).
         start, end (float): ``time.perf_counter()`` seconds.
         flops (float or None): floating-point operations of the op (cost function).
@@ -60,6 +62,10 @@ class Event:
             self.device, self.queue = key[1], "copy"
         elif key == "frontend":
             self.device, self.queue = None, "frontend"
+        elif isinstance(key, tuple) and key and key[0] == "comm":
+            self.device, self.queue = key, "comm"      # MPI collectives (hl.distributed)
+        elif isinstance(key, tuple):
+            self.device, self.queue = key, "sync"      # waits (SyncBatchNorm's gate)
         else:
             self.device, self.queue = key, "compute"
         if self.queue == "compute" and name.startswith("bulk[") and not meta:

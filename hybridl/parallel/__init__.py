@@ -108,6 +108,9 @@ def split_and_load(data, devices, batch_axis=0, even_split=True):
         raise ValueError("devices: expected at least one device, got an empty list")
     if not isinstance(data, NDArray):
         data = np.asarray(data)
+    if isinstance(batch_axis, bool) or not isinstance(batch_axis, (int, np.integer)):
+        raise TypeError(f"batch_axis: expected an int, got {type(batch_axis).__name__} "
+                        f"{batch_axis!r}")
     if not -data.ndim <= batch_axis < data.ndim:
         raise ValueError(f"batch_axis: expected an axis of the {data.ndim}-d data, got {batch_axis}")
     if not isinstance(data, NDArray):
@@ -196,7 +199,12 @@ class DataParallel:
     def __init__(self, net, devices):
         from ..device import Device
         self.net = net
+        if isinstance(devices, (Device, str)):
+            devices = [devices]
         self.devices = [Device.parse(d) for d in devices]
+        if not self.devices:
+            raise ValueError("DataParallel: devices: expected at least one device, got an "
+                             "empty list")
 
     def __call__(self, x):
         from ..ops.math import concat
