@@ -447,7 +447,10 @@ def test_exit_reports_unwaited_errors_and_cancelled_ops():
     assert r.returncode == 0, r.stderr
     assert "an op failed and nothing waited for its result" in r.stderr
     assert "nobody waited for me" in r.stderr
-    assert "3 pushed op(s) had not run when the program ended and were cancelled" in r.stderr
+    import re
+    m = re.search(r"(\d+) pushed op\(s\) had not run when the program ended and were cancelled",
+                  r.stderr)
+    assert m and int(m.group(1)) >= 3, r.stderr      # (the sleeper too, if it had not started)
 
 
 # ============================================================================ frontend threads
