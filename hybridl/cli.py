@@ -32,6 +32,19 @@ def _usage():
     return "\n".join(lines)
 
 
+def _drain():
+    """Run what the command left pushed (a usage error can leave a tiny op queued, e.g. the
+    RNG's seeding), so that the exit has nothing to cancel or report: the command has
+    reported its own outcome."""
+    import sys as _sys
+    eng = _sys.modules.get("hybridl.engine")
+    if eng is not None:
+        try:
+            eng.waitall()
+        except Exception:  # noqa: BLE001 - the command's errors are its own to report
+            pass
+
+
 def _default_sigint():
     """After a first Ctrl-C: a second one ends the process at once (the default action, no
     traceback from wherever it lands while the program is leaving)."""
@@ -66,7 +79,9 @@ def main(argv=None):
     module = importlib.import_module(COMMANDS[cmd][0])
     entry = getattr(module, f"main_{cmd}", None) or module.main
     try:
-        return entry(rest)
+        rc = entry(rest)
+        _drain()
+        return rc
     except KeyboardInterrupt:          # Ctrl-C: one line, not a traceback (files are written
         _default_sigint()              # atomically: none is half-written); 128 + SIGINT
         print(f"\nhybridl {cmd}: interrupted", file=sys.stderr)

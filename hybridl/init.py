@@ -4,11 +4,24 @@ An initializer is called as ``init(shape, dtype, device) -> NDArray``; random on
 engine RNG, so ``hl.random.seed(n)`` makes initialization reproducible.
 """
 import math
+import numbers
 
 from . import nd
 from .ops._util import as_dtype
 
 __all__ = ["Initializer", "Xavier", "Normal", "Uniform", "Zero", "One", "Constant", "create"]
+
+
+def _finite(name, v):
+    """``v`` as a float.
+
+    Raises:
+        TypeError: not a real number.  ValueError: NaN or infinite (every weight would be)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{name}: expected a number, got {type(v).__name__} {v!r}")
+    if not math.isfinite(v):
+        raise ValueError(f"{name}: expected a finite number, got {v!r}")
+    return float(v)
 
 
 class Initializer:
@@ -46,9 +59,10 @@ class Xavier(Initializer):
             raise ValueError(f"rnd_type: expected 'uniform' or 'gaussian', got {rnd_type!r}")
         if factor_type not in ("avg", "in", "out"):
             raise ValueError(f"factor_type: expected 'avg', 'in' or 'out', got {factor_type!r}")
+        magnitude = _finite("magnitude", magnitude)
         if magnitude <= 0:
             raise ValueError(f"magnitude: expected > 0, got {magnitude}")
-        self.rnd_type, self.factor_type, self.magnitude = rnd_type, factor_type, float(magnitude)
+        self.rnd_type, self.factor_type, self.magnitude = rnd_type, factor_type, magnitude
 
     def __call__(self, shape, dtype, device):
         fi, fo = _fans(shape)
@@ -73,9 +87,10 @@ class Normal(Initializer):
     """N(0, sigma**2) (default sigma 0.01)."""
 
     def __init__(self, sigma=0.01):
+        sigma = _finite("sigma", sigma)
         if sigma < 0:
             raise ValueError(f"sigma: expected >= 0, got {sigma}")
-        self.sigma = float(sigma)
+        self.sigma = sigma
 
     def __call__(self, shape, dtype, device):
         return _drawn(nd.random.normal, 0.0, self.sigma, shape, dtype, device)
@@ -85,9 +100,10 @@ class Uniform(Initializer):
     """U[-scale, scale] (default scale 0.07, MXNet's default)."""
 
     def __init__(self, scale=0.07):
+        scale = _finite("scale", scale)
         if scale < 0:
             raise ValueError(f"scale: expected >= 0, got {scale}")
-        self.scale = float(scale)
+        self.scale = scale
 
     def __call__(self, shape, dtype, device):
         return _drawn(nd.random.uniform, -self.scale, self.scale, shape, dtype, device)
@@ -97,7 +113,7 @@ class Constant(Initializer):
     """Every element equal to ``value``."""
 
     def __init__(self, value):
-        self.value = float(value)
+        self.value = _finite("value", value)
 
     def __call__(self, shape, dtype, device):
         return nd.full(shape, self.value, dtype, device)

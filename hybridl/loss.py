@@ -56,7 +56,13 @@ class Loss(HybridBlock):
 
     def __init__(self, weight=None, batch_axis=0):
         super().__init__()
-        self._weight, self._batch_axis = weight, batch_axis
+        if isinstance(batch_axis, bool) or not isinstance(batch_axis, (int, np.integer)):
+            raise TypeError(f"{type(self).__name__}: batch_axis must be an int (an axis of pred), "
+                            f"got {type(batch_axis).__name__} {batch_axis!r}")
+        if weight is not None and (isinstance(weight, bool) or not isinstance(weight, numbers.Real)):
+            raise TypeError(f"{type(self).__name__}: weight must be a number or None, got "
+                            f"{type(weight).__name__} {weight!r}")
+        self._weight, self._batch_axis = weight, int(batch_axis)
 
     def __call__(self, *args, **kwargs):
         # the standard signature forward(pred, label, sample_weight=None): sample_weight
@@ -92,9 +98,24 @@ class Loss(HybridBlock):
             loss = loss * sw
         if self._weight is not None:
             loss = loss * self._weight
-        batch_axis = self._batch_axis if batch_axis is None else batch_axis
+        if batch_axis is None:
+            batch_axis = self._batch_axis_of(len(loss.shape))
         axes = tuple(i for i in range(len(loss.shape)) if i != batch_axis)
         return F.mean(loss, axis=axes) if axes else loss
+
+    def _batch_axis_of(self, ndim):
+        """``batch_axis`` as an axis in [0, ndim) of an ``ndim``-d array (negative counts from
+        the end, as NumPy).
+
+        Raises:
+            ValueError: out of range (names the shape's rank)."""
+        b = self._batch_axis
+        if ndim == 0:
+            return 0
+        if not -ndim <= b < ndim:
+            raise ValueError(f"{type(self).__name__}: batch_axis {b} is out of range for "
+                             f"{ndim}-d data")
+        return b % ndim
 
     @staticmethod
     def _check(pred, label, name):
@@ -140,7 +161,7 @@ class SoftmaxCrossEntropyLoss(Loss):
             raise ValueError(f"SoftmaxCrossEntropyLoss: axis {self._axis} is out of range for "
                              f"pred of shape {tuple(pred.shape)}")
         ax = self._axis % nd_
-        if ax == self._batch_axis % nd_:
+        if ax == self._batch_axis_of(nd_):
             raise ValueError(f"SoftmaxCrossEntropyLoss: axis {self._axis} is the batch axis of "
                              f"pred {tuple(pred.shape)}; it must be the class axis")
         if ax == nd_ - 1:
@@ -184,7 +205,7 @@ class SoftmaxCrossEntropyLoss(Loss):
             loss = -F.sum(lp * label, axis=-1)
         # the batch axis of the loss (pred less its class axis)
         nd_ = len(shape)
-        b = self._batch_axis % nd_
+        b = self._batch_axis_of(nd_)
         return self._finish(loss, sample_weight, b - (b > self._axis % nd_))
 
 

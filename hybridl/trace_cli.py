@@ -61,7 +61,7 @@ def main(argv=None):
 def _trace(args):
     from . import autograd, data, engine, optim, profiler
     from . import loss as L
-    from .train_cli import _digits_data_option, _load_data, _model, _setup
+    from .train_cli import _digits_data_option, _load_data, _model, _opt_params, _setup
     if _digits_data_option(args):
         raise ValueError(_digits_data_option(args))
     from .device import cpu
@@ -85,10 +85,7 @@ def _trace(args):
     net.initialize(device=devices[0])
     if not args.no_hybridize:
         net.hybridize()
-    opt_params = {"learning_rate": args.lr, "wd": args.wd}
-    if args.optimizer == "sgd":
-        opt_params["momentum"] = args.momentum
-    trainer = optim.Trainer(net.collect_params(), args.optimizer, opt_params)
+    trainer = optim.Trainer(net.collect_params(), args.optimizer, _opt_params(args))
     loss_fn = L.SoftmaxCrossEntropyLoss()
     batches = itertools.chain.from_iterable(itertools.repeat(loader))
 

@@ -85,8 +85,9 @@ def build_parser(prog="hybridl train", run_options=True):
         help="cosine (default): the learning rate decays from --lr to 0 over the "
         "run, per step (Loshchilov & Hutter 2017, without restarts); constant")
     opt("--optimizer", default="sgd", choices=("sgd", "adam", "adamw"))
-    opt("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
-    opt("--wd", type=float, default=0.0, help="weight decay (default 0)")
+    opt("--momentum", type=float, default=None, help="SGD momentum (default 0.9; sgd only)")
+    opt("--wd", type=float, default=None,
+        help="weight decay (default: the optimizer's, 0 for sgd and adam, 0.01 for adamw)")
     opt("--device", default=None, type=_device_list, help="e.g. cpu:0 (default)")
     opt("--devices", default=None, type=_device_list,
         help="several devices, e.g. cpu:0,cpu:1 (data parallel by default); "
@@ -308,6 +309,17 @@ class _SaveFailed(Exception):
     """The final --save write failed: exit 1 with one line (not a usage error)."""
 
 
+def _opt_params(args):
+    """The optimizer's hyper-parameters from --lr, --wd (else the optimizer's own: AdamW's is
+    0.01) and --momentum (sgd; default 0.9); `hybridl train` and `hybridl trace` share it."""
+    params = {"learning_rate": args.lr}
+    if args.wd is not None:
+        params["wd"] = args.wd
+    if args.optimizer == "sgd":
+        params["momentum"] = 0.9 if args.momentum is None else args.momentum
+    return params
+
+
 def _default_batch(dataset):
     """The batch size when --batch-size is not given."""
     return 32 if dataset == "digits" else 128
@@ -422,6 +434,9 @@ def main_train(argv=None):
     bad = _digits_data_option(args)
     if bad:
         return _usage_error(bad)
+    if args.momentum is not None and args.optimizer != "sgd":
+        return _usage_error(f"--momentum applies to --optimizer sgd (the optimizer is "
+                            f"{args.optimizer}: its betas are fixed)")
     if args.distributed and len(devs) > 1:
         return _usage_error(f"--distributed trains one device per process: drop --devices "
                             f"{','.join(map(str, devs))} (run more processes instead)")
@@ -516,9 +531,7 @@ def _train(args):
                                    num_workers=args.num_workers, device=devices[0], **shard)
     test_loader = data.DataLoader(test_set, 256, num_workers=args.num_workers, device=devices[0])
     net = _model(args.model, size)
-    opt_params = {"learning_rate": args.lr, "wd": args.wd}
-    if args.optimizer == "sgd":
-        opt_params["momentum"] = args.momentum
+    opt_params = _opt_params(args)
     if len(devices) > 1:
         from .parallel import train_multi_device
         return train_multi_device(args, net, train_loader, test_loader, devices, opt_params)

@@ -393,3 +393,32 @@ def test_storage_measurement_never_fills_the_disk(tmp_path):
     with pytest.raises(ValueError, match="more than half the free space"):
         hw.measure_storage(str(tmp_path), file_bytes=(free // (1 << 20) + 1) << 20)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_hw_checks_json_and_plot_folders_before_measuring(capsys, tmp_path):
+    """--json /proc/hw.json passed the up-front check (the folder exists) and failed with a
+    traceback after every measurement; the cache and --json were written 0600 and replaced a
+    symbolic link with a plain file (every other file hybridl writes follows the link)."""
+    import json
+    import os
+    import stat
+    from hybridl.hardware import report as R
+    from hybridl.hardware.cache import save_report
+    for opt in ("--json", "--plot"):
+        assert R.main([opt, "/proc/hw.out", "--quick"]) == 2
+        assert f"{opt}: cannot write files into '/proc'" in capsys.readouterr().err
+    real, link = tmp_path / "real.json", tmp_path / "link.json"
+    real.write_text("{}")
+    os.chmod(real, 0o644)
+    link.symlink_to(real)
+    r = R.run(quick=True, progress=False, skip=("memory_bandwidth", "memory_latency", "gemm",
+                                                 "storage", "interconnect"))
+    save_report(r, str(link))
+    assert link.is_symlink()                             # the link kept, its target replaced
+    assert json.loads(real.read_text())["schema_version"] == r["schema_version"]
+    assert stat.S_IMODE(os.stat(real).st_mode) == 0o644  # the file's own mode kept
+    new = tmp_path / "new.json"
+    save_report(r, str(new))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(os.stat(new).st_mode) == 0o666 & ~umask     # was 0600

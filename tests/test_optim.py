@@ -554,3 +554,70 @@ def test_clip_global_norm_in_a_training_step():
     gb = -net.bias.data().asnumpy()
     np.testing.assert_allclose(np.sqrt((g.astype(np.float64) ** 2).sum() + (gb ** 2).sum()), 0.5,
                                rtol=1e-5)
+
+
+def test_rescale_grad_is_a_factor_and_hyper_parameters_are_checked():
+    """rescale_grad in optimizer_params was accepted (even -1, NaN, 0) and then overwritten by
+    1 / batch_size; as in MXNet's Trainer it now multiplies it. lr_mult / wd_mult, wd,
+    nesterov, optimizer_params and initializer arguments are checked where they are given."""
+    import hybridl as hl
+    for scale in (1.0, 2.0):
+        net = hl.nn.Dense(1, in_units=1, use_bias=False)
+        net.initialize(hl.init.One())
+        tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 1.0, "rescale_grad": scale})
+        x = hl.nd.array(np.ones((4, 1), np.float32))
+        with hl.autograd.record():
+            loss = net(x).sum()                          # d loss / d w = 4
+        loss.backward()
+        tr.step(4)                                       # w = 1 - 1 * scale * 4 / 4
+        np.testing.assert_allclose(net.weight.data().asnumpy(), [[1.0 - scale]], rtol=1e-6)
+    for bad in (-1.0, 0.0, float("nan")):
+        with pytest.raises(ValueError, match="rescale_grad"):
+            hl.optim.SGD(rescale_grad=bad)
+    with pytest.raises(ValueError, match="wd: expected a finite number"):
+        hl.optim.SGD(wd=float("inf"))
+    with pytest.raises(TypeError, match="nesterov"):
+        hl.optim.SGD(momentum=0.9, nesterov="no")
+    with pytest.raises(ValueError, match="learning_rate"):
+        hl.optim.SGD().set_learning_rate(np.array([0.1, 0.2]))
+    p = hl.nn.Dense(1, in_units=1)
+    p.initialize()
+    with pytest.raises(TypeError, match="optimizer_params: expected a dict"):
+        hl.Trainer(p.collect_params(), "sgd", [("learning_rate", 0.1)])
+    with pytest.raises(ValueError, match="batch_size: expected a positive finite number"):
+        hl.Trainer(p.collect_params(), "sgd").step(float("inf"))
+    w = p.weight
+    for attr in ("lr_mult", "wd_mult"):
+        for bad, err in ((-1, ValueError), (float("nan"), ValueError), ("0.5", TypeError),
+                         (None, TypeError)):
+            with pytest.raises(err, match=attr):
+                setattr(w, attr, bad)
+    w.lr_mult = 0.5
+    assert w.lr_mult == 0.5
+    for make in (lambda: hl.init.Normal(float("nan")), lambda: hl.init.Constant(float("inf")),
+                 lambda: hl.init.Xavier(magnitude=float("nan")), lambda: hl.init.Uniform(None),
+                 lambda: hl.init.Normal("1")):
+        with pytest.raises((TypeError, ValueError), match="expected a"):
+            make()
+
+
+def test_loss_batch_axis_counts_from_the_end_and_is_checked():
+    """batch_axis=-1 gave a scalar for L2/L1/sigmoid BCE losses (compared with the positive
+    index only); out-of-range or non-int values were accepted or failed obscurely."""
+    import hybridl as hl
+    pred = hl.nd.array(np.random.default_rng(0).random((2, 3, 4)).astype(np.float32))
+    label = hl.nd.array(np.random.default_rng(1).random((2, 3, 4)).astype(np.float32))
+    for cls in (hl.loss.L2Loss, hl.loss.L1Loss, hl.loss.SigmoidBinaryCrossEntropyLoss):
+        a = cls(batch_axis=-1)(pred, label).asnumpy()
+        b = cls(batch_axis=2)(pred, label).asnumpy()
+        assert a.shape == (4,)
+        np.testing.assert_array_equal(a, b)
+        with pytest.raises(ValueError, match="batch_axis 3 is out of range"):
+            cls(batch_axis=3)(pred, label)
+        for bad in ("0", None, 1.0):
+            with pytest.raises(TypeError, match="batch_axis must be an int"):
+                cls(batch_axis=bad)
+    logits = hl.nd.array(np.random.default_rng(2).random((4, 5)).astype(np.float32))
+    y = hl.nd.array(np.array([0, 1, 2, 3], np.float32))
+    with pytest.raises(ValueError, match="batch_axis 4 is out of range"):
+        hl.loss.SoftmaxCrossEntropyLoss(batch_axis=4)(logits, y)

@@ -342,9 +342,9 @@ def test_train_step_errors_name_the_argument():
     with pytest.raises(TypeError, match="passes: expected pass names"):
         hl.TrainStep(net, lf, trainer, passes=[123])
     x, y = nd.array(np.ones((4, 5), np.float32)), nd.array(np.arange(4))
-    with pytest.raises(ValueError, match="batch_size: expected a positive number, got '8'"):
+    with pytest.raises(ValueError, match="batch_size: expected a positive finite number, got '8'"):
         hl.TrainStep(net, lf, trainer)(x, y, batch_size="8")
-    with pytest.raises(ValueError, match="batch_size: expected a positive number, got '8'"):
+    with pytest.raises(ValueError, match="batch_size: expected a positive finite number, got '8'"):
         trainer.step("8")
     with pytest.raises(ValueError, match="loss_fn: expected one array"):
         hl.TrainStep(net, lambda out, lab: 1.0, trainer)(x, y)

@@ -845,3 +845,23 @@ def test_trainer_kvstore_and_cli_distributed_options_are_checked_up_front(capsys
     for t in ("0", "-5", "nan", "inf"):
         assert main(["launch", "-n", "2", "--timeout", t, "--", "python", "-c", "1"]) == 2
         assert "--timeout: expected seconds" in capsys.readouterr().err
+
+
+def test_cli_optimizer_defaults_and_no_cancelled_note_after_a_usage_error(capsys, tmp_path):
+    """--optimizer adamw trained exactly as adam (the CLI's --wd default 0 replaced AdamW's
+    0.01); --momentum with adam was ignored; a usage error could be followed by a note that a
+    pushed op was cancelled at exit (the RNG's seeding)."""
+    import subprocess
+    import sys
+    from hybridl.train_cli import _opt_params, build_parser
+    args = build_parser().parse_args(["--optimizer", "adamw"])
+    assert "wd" not in _opt_params(args)                    # AdamW's own default
+    assert _opt_params(build_parser().parse_args([]))["momentum"] == 0.9
+    from hybridl.cli import main
+    assert main(["train", "--optimizer", "adam", "--momentum", "0.3"]) == 2
+    assert "--momentum applies to --optimizer sgd" in capsys.readouterr().err
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-m", "hybridl", "train", "--save",
+                            str(tmp_path / "missing" / "m.safetensors")],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "cancelled" not in r.stderr, r.stderr

@@ -531,7 +531,7 @@ class TrainStep:
     def _run(self, e, data, label, dev, bs):
         tr = self.trainer
         opt = tr._optimizer
-        opt.rescale_grad = rescale = 1.0 / bs
+        opt.rescale_grad = rescale = getattr(opt, "scale", 1.0) / bs     # (see Trainer.update)
         opt.num_update += 1
         clip = float("nan") if opt.clip_gradient is None else opt.clip_gradient
         pvals = _param_arrays(e.params, dev)

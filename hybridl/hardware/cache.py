@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 
 __all__ = ["SCHEMA_VERSION", "hybridl_home", "cache_path", "save_report", "load_cached",
            "validate_report"]
@@ -45,23 +44,17 @@ def save_report(report: dict, path: str | None = None) -> str:
         ValueError: the report does not follow the schema.
         OSError: the file cannot be written.
     """
+    from .._io import atomic_write
     validate_report(report)
     path = os.fspath(path or cache_path())
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".hardware-", suffix=".json.tmp", dir=d)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(report, f, indent=1, allow_nan=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    text = json.dumps(report, indent=1, allow_nan=False)
+
+    def write(tmp):
+        with open(tmp, "w") as f:
+            f.write(text)
+    # (the one writer of hybridl's files: the umask's mode, a link's target replaced)
+    atomic_write(path, write)
     return path
 
 

@@ -33,10 +33,12 @@ class Parameter:
         dtype: float32 (default) or float64.
         init: an Initializer (or name) that overrides the one given to ``initialize``.
         grad_req: 'write' (default), 'add' or 'null' (no gradient, e.g. BatchNorm statistics).
-        lr_mult, wd_mult (float): multipliers of the optimizer's learning rate / weight decay.
+        lr_mult, wd_mult (float >= 0): multipliers of the optimizer's learning rate / weight
+            decay.
 
     Raises:
-        ValueError: bad grad_req or shape.
+        ValueError: bad grad_req or shape; lr_mult or wd_mult negative, NaN or infinite.
+        TypeError: lr_mult or wd_mult not a number.
     """
 
     def __init__(self, name="param", shape=None, dtype="float32", init=None, grad_req="write",
@@ -48,8 +50,8 @@ class Parameter:
         if grad_req not in ("write", "add", "null"):
             raise ValueError(f"grad_req: expected 'write', 'add' or 'null', got {grad_req!r}")
         self._grad_req = grad_req if differentiable else "null"
-        self.lr_mult = float(lr_mult)
-        self.wd_mult = float(wd_mult)
+        self.lr_mult = lr_mult          # (checked by the properties below)
+        self.wd_mult = wd_mult
         self.allow_deferred_init = allow_deferred_init
         self._data = None          # OrderedDict device -> NDArray
         self._deferred = None      # (init, devices) waiting for the shape
@@ -70,6 +72,26 @@ class Parameter:
                 raise ValueError(f"Parameter {self.name!r}: expected shape compatible with "
                                  f"{self._shape}, got {new}")
         return new
+
+    @property
+    def lr_mult(self):
+        """Multiplier of the optimizer's learning rate for this parameter (a finite number
+        >= 0; 0 freezes it without dropping its gradient)."""
+        return self._lr_mult
+
+    @lr_mult.setter
+    def lr_mult(self, v):
+        self._lr_mult = _multiplier("lr_mult", v, self.name)
+
+    @property
+    def wd_mult(self):
+        """Multiplier of the optimizer's weight decay for this parameter (a finite number
+        >= 0)."""
+        return self._wd_mult
+
+    @wd_mult.setter
+    def wd_mult(self, v):
+        self._wd_mult = _multiplier("wd_mult", v, self.name)
 
     @property
     def grad_req(self):
@@ -251,6 +273,22 @@ class Parameter:
 
     def __repr__(self):
         return f"Parameter {self.name} (shape={self._shape}, dtype={self.dtype})"
+
+
+def _multiplier(what, v, name):
+    """``v`` as a float: a finite number >= 0 (a negative lr_mult would climb the loss, NaN or
+    inf would make the weights NaN).
+
+    Raises:
+        TypeError: not a number.  ValueError: negative, NaN or infinite."""
+    import math
+    import numbers
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"Parameter {name!r}: {what} must be a number, got {type(v).__name__} "
+                        f"{v!r}")
+    if not (math.isfinite(v) and v >= 0):
+        raise ValueError(f"Parameter {name!r}: {what} must be a finite number >= 0, got {v!r}")
+    return float(v)
 
 
 def _devices(device):

@@ -62,12 +62,14 @@ def _number(name, v):
 
 
 class Optimizer:
-    """Base class. ``lr`` (learning rate), ``wd`` (weight decay), ``rescale_grad`` (set by the
-    Trainer to 1 / batch_size), ``clip_gradient`` (None or a positive float).
+    """Base class. ``lr`` (learning rate), ``wd`` (weight decay), ``rescale_grad`` (a factor
+    of the gradients, default 1: the Trainer uses ``rescale_grad / batch_size``, as MXNet's
+    does), ``clip_gradient`` (None or a positive float).
 
     Raises:
         TypeError: a hyper-parameter that is not a number.
-        ValueError: negative learning rate or weight decay, clip_gradient <= 0.
+        ValueError: a learning rate or weight decay that is negative or infinite,
+            rescale_grad not finite and > 0, clip_gradient <= 0.
     """
 
     state_names = ()
@@ -81,12 +83,15 @@ class Optimizer:
             clip_gradient = _number("clip_gradient", clip_gradient)
         if not lr >= 0 or lr == float("inf"):
             raise ValueError(f"learning_rate: expected a finite number >= 0, got {lr}")
-        if not wd >= 0:
-            raise ValueError(f"wd: expected >= 0, got {wd}")
+        if not wd >= 0 or wd == float("inf"):
+            raise ValueError(f"wd: expected a finite number >= 0, got {wd}")
+        if not 0 < rescale_grad < float("inf"):
+            raise ValueError(f"rescale_grad: expected a finite number > 0, got {rescale_grad}")
         if clip_gradient is not None and not clip_gradient > 0:
             raise ValueError(f"clip_gradient: expected None or a number > 0, got {clip_gradient}")
         self.lr, self.wd = float(lr), float(wd)
         self.rescale_grad = float(rescale_grad)
+        self.scale = float(rescale_grad)    # the user's factor: rescale_grad = scale / batch
         self.clip_gradient = None if clip_gradient is None else float(clip_gradient)
         self.num_update = 0
 
@@ -100,8 +105,8 @@ class Optimizer:
         Raises:
             ValueError: ``lr`` is not a finite number >= 0 (as the constructor)."""
         try:
-            ok = lr >= 0 and lr != float("inf")
-        except TypeError:
+            ok = bool(lr >= 0 and lr != float("inf"))
+        except (TypeError, ValueError):     # (a string; an array: no single truth value)
             ok = False
         if not ok or isinstance(lr, bool):
             raise ValueError(f"learning_rate: expected a finite number >= 0, got {lr!r}")
@@ -218,6 +223,8 @@ class SGD(Optimizer):
             raise ValueError(f"momentum: expected in [0, 1], got {momentum}")
         if nesterov and momentum == 0:
             raise ValueError("nesterov: requires momentum > 0")
+        if not isinstance(nesterov, (bool, np.bool_)):
+            raise TypeError(f"nesterov: expected True or False, got {nesterov!r}")
         self.momentum, self.nesterov = float(momentum), bool(nesterov)
         self.state_names = ("momentum",) if momentum else ()
 

@@ -15,8 +15,9 @@ __all__ = ["Trainer"]
 
 def check_batch_size(batch_size):
     """Raise ValueError unless ``batch_size`` is a positive real number (not a bool)."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Real) or not batch_size > 0:
-        raise ValueError(f"batch_size: expected a positive number, got {batch_size!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Real) or \
+            not 0 < batch_size < float("inf"):
+        raise ValueError(f"batch_size: expected a positive finite number, got {batch_size!r}")
 
 
 _KV_NAMES = ("device", "local", "dist", "dist_sync")
@@ -83,6 +84,10 @@ class Trainer:
         name_of = {id(p): n for p, n in zip(plist, all_names)}
         self._all_names = all_names
         self._names = [name_of[id(p)] for p in self._params]
+        if optimizer_params is not None and not isinstance(optimizer_params, dict):
+            raise TypeError(f"optimizer_params: expected a dict of hyper-parameters (e.g. "
+                            f"{{'learning_rate': 0.1}}), got {type(optimizer_params).__name__} "
+                            f"{optimizer_params!r}")
         self._optimizer = create(optimizer, **(optimizer_params or {})) if not isinstance(
             optimizer, Optimizer) else optimizer
         if isinstance(optimizer, Optimizer) and optimizer_params:
@@ -266,7 +271,7 @@ class Trainer:
         """Apply the optimizer (no gradient aggregation)."""
         opt = self._optimizer
         workers = getattr(self._kv, "num_workers", 1) if self._kv is not None else 1
-        opt.rescale_grad = 1.0 / (batch_size * workers)
+        opt.rescale_grad = getattr(opt, "scale", 1.0) / (batch_size * workers)
         opt.num_update += 1
         by_device = {}
         stale = []
