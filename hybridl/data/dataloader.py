@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import numbers
-import os
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -197,14 +196,8 @@ class DataLoader:
             raise ValueError(f"DataLoader: last_batch must be one of {_LAST_BATCH}, "
                              f"got {last_batch!r}")
         if num_workers is None:
-            env = os.environ.get("HYBRIDL_LOADER_WORKERS", "").strip() or "0"
-            try:
-                num_workers = int(env)
-            except ValueError:
-                num_workers = -1
-            if num_workers < 0:
-                raise ValueError(f"DataLoader: HYBRIDL_LOADER_WORKERS={env!r}: expected an "
-                                 f"integer >= 0 (loader threads)")
+            from .._env import env_int
+            num_workers = env_int("HYBRIDL_LOADER_WORKERS", 0, 0, "DataLoader threads")
         self.num_workers = _check_int("num_workers", num_workers, 0)
         self.num_shards = _check_int("num_shards", num_shards, 1)
         if 0 < len(dataset) < self.num_shards:

@@ -73,13 +73,8 @@ def _env_num_workers():
 
     Raises:
         ValueError: not an integer >= 1 (names the variable)."""
-    v = os.environ.get("HYBRIDL_NUM_WORKERS", "").strip()
-    if not v:
-        return 1
-    if not v.isdigit() or int(v) < 1:
-        raise ValueError(f"HYBRIDL_NUM_WORKERS={v!r}: expected an integer >= 1 (worker "
-                         f"threads per device)")
-    return int(v)
+    from .._env import env_int
+    return env_int("HYBRIDL_NUM_WORKERS", 1, 1, "worker threads per device")
 
 
 def _set_switch_interval():

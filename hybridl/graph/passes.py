@@ -13,10 +13,10 @@ The symbolic ``gradient`` lives in :mod:`hybridl.graph.autodiff`. Every pass kee
 meaning: the tests check each on random graphs and inputs (hypothesis).
 """
 import builtins
-import os
 
 import numpy as np
 
+from .._env import env_int
 from ..ops.registry import Op, register
 from .ir import Graph, Node, Symbol, const, rebuild
 
@@ -214,21 +214,8 @@ def _reduce_parts(node, src):
 # won only from about 4M elements. So the default is 2**23 elements: fusion is kept for very
 # large arrays only. Re-measure on your machine and set_fusion_threshold() /
 # HYBRIDL_FUSION_THRESHOLD accordingly (0 fuses every chain, e.g. in tests).
-def _env_threshold():
-    s = os.environ.get("HYBRIDL_FUSION_THRESHOLD", "").strip()
-    if not s:
-        return 1 << 23
-    try:
-        v = int(s)
-    except ValueError:
-        v = -1
-    if v < 0:
-        raise ValueError(f"HYBRIDL_FUSION_THRESHOLD={s!r}: expected an integer >= 0 (elements; "
-                         f"0 fuses every chain), or unset: {1 << 23}")
-    return v
-
-
-_FUSION_THRESHOLD = [_env_threshold()]
+_FUSION_THRESHOLD = [env_int("HYBRIDL_FUSION_THRESHOLD", 1 << 23, 0,
+                              "elements; 0 fuses every chain")]
 
 
 def fusion_threshold():
