@@ -11,6 +11,7 @@ computes a new backend array and re-binds it, ordered by the engine as a write o
 Kernels may therefore return views of their inputs (reshape, transpose, slicing are free).
 """
 import numbers
+import operator
 import sys
 
 import numpy as np
@@ -329,7 +330,7 @@ class NDArray:
             return
 
         def setitem():
-            new = dst._data.copy()
+            new = np.array(dst._data, copy=True)    # (a 0-d result may be a NumPy scalar)
             new[pykey] = v._data
             dst._data = new
 
@@ -462,10 +463,13 @@ class NDArray:
     def __ge__(self, o): return M.greater_equal(self, o)
     def __lt__(self, o): return M.less(self, o)
     def __le__(self, o): return M.less_equal(self, o)
-    def __invert__(self): return M.logical_not(self)
-    def __and__(self, o): return M.logical_and(self, o)
-    def __or__(self, o): return M.logical_or(self, o)
-    def __xor__(self, o): return M.logical_xor(self, o)
+    # ~ & | ^ on bool arrays (masks); on integers NumPy's are bitwise, which hybridl does not
+    # provide: an error, not a logical result in its place
+    def __invert__(self): return M.logical_not(_bool_operand(self, "~"))
+    def __and__(self, o): return M.logical_and(_bool_operand(self, "&"), _bool_operand(o, "&"))
+    def __or__(self, o): return M.logical_or(_bool_operand(self, "|"), _bool_operand(o, "|"))
+    def __xor__(self, o): return M.logical_xor(_bool_operand(self, "^"), _bool_operand(o, "^"))
+    __rand__, __ror__, __rxor__ = __and__, __or__, __xor__
 
     def _inplace(self, fn, other, priority=0, skip_clean=False):
         """``self op= other`` as ONE engine op that reads and writes ``self`` (two ops would let
@@ -630,12 +634,36 @@ def _operand_like(inputs, array_types, like):
     return like
 
 
+# comparisons of an integer (or bool) array with a float scalar compare in float64, as NumPy:
+# the result is bool, so no float32 result type is at stake, and a float32 scalar compared
+# 3 < 3.0000001 as False and 16777217 == 16777217.0 as False
+_COMPARE = frozenset({"equal", "not_equal", "greater", "greater_equal", "less", "less_equal"})
+
+
 def _scalar_value(x, like, name):
     """Scalar operand ``x`` of op ``name`` as a 0-d NumPy array of its dtype (see
-    :func:`_scalar_dtype`); TypeError for a complex number."""
+    :func:`_scalar_dtype`; float64 for a float compared with an integer array); TypeError for a
+    complex number."""
     if isinstance(x, numbers.Complex) and not isinstance(x, numbers.Real):
         raise TypeError(f"{name}: complex numbers are not supported, got {x!r}")
-    return np.asarray(x, _scalar_dtype(x, like))
+    dt = _scalar_dtype(x, like)
+    if name in _COMPARE and like.kind in "biu" and dt.kind == "f":
+        dt = np.dtype(np.float64)
+    return np.asarray(x, dt)
+
+
+def _bool_operand(x, sym):
+    """``x`` when it is a bool array or scalar (an operand of ``~ & | ^``).
+
+    Raises:
+        TypeError: another dtype (NumPy's operators are bitwise on integers)."""
+    dt = getattr(x, "dtype", None)
+    if isinstance(x, (bool, np.bool_)) or (dt is not None and np.dtype(dt).kind == "b"):
+        return x
+    what = f"dtype {dt}" if dt is not None else type(x).__name__
+    raise TypeError(f"operator {sym}: expected bool operands (masks), got {what}; bitwise "
+                    f"integer operators are not supported (use hl.nd.logical_and/or/xor/not for "
+                    f"truth values)")
 
 
 def _scalar_dtype(value, like):
@@ -681,7 +709,8 @@ def _eager(op, inputs, attrs):
             if isinstance(x, NDArray):
                 continue
             if isinstance(x, (numbers.Number, np.number, np.bool_)):
-                if type(x) is float or type(x) is int:          # (the common case, inline)
+                if (type(x) is float or type(x) is int) and not (   # (the common case, inline)
+                        op.name in _COMPARE and like.kind in "biu"):
                     arrs[i] = _const(np.asarray(x, _scalar_dtype(x, like)), dev)
                 else:
                     arrs[i] = _const(_scalar_value(x, like, op.name), dev)
@@ -766,7 +795,8 @@ def _check_shape(shape, name="shape"):
     try:
         if isinstance(shape, (str, bytes)):
             raise TypeError
-        shape = tuple(int(s) for s in shape)
+        # operator.index: ints and NumPy integers, not 2.5 (int() truncated it silently)
+        shape = tuple(operator.index(s) for s in shape)
     except (TypeError, ValueError):
         raise TypeError(f"{name}: expected an int or a tuple of ints, got {shape!r}") from None
     if any(s < 0 for s in shape):

@@ -423,7 +423,10 @@ def test_exit_with_pending_work_is_clean():
     assert r.returncode == 0, r.stderr.decode()
     assert "pushed" in out
     assert "Fatal Python error" not in r.stderr.decode()
-    assert out.count(".") < 50, "the process ran all the work before exiting"
+    # exit finishes what it can in a short grace period and cancels the rest, saying so
+    done = out.count(".")
+    assert done == 50 or "had not run when the program ended and were cancelled" in \
+        r.stderr.decode(), (done, r.stderr.decode())
     assert elapsed < 20.0
 
 
@@ -438,7 +441,7 @@ def test_exit_reports_unwaited_errors_and_cancelled_ops():
             raise RuntimeError("nobody waited for me")
         hl.engine.push(fails, [], [Var()], hl.cpu(1))
         time.sleep(0.5)                              # it has run (and failed)
-        hl.engine.push(lambda: time.sleep(1.0), [], [v], hl.cpu(0))
+        hl.engine.push(lambda: time.sleep(4.0), [], [v], hl.cpu(0))     # past the grace
         for _ in range(3):
             hl.engine.push(lambda: None, [v], [Var()], hl.cpu(0))
     """)

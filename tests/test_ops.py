@@ -1014,3 +1014,38 @@ def test_relu_of_bool_is_refused_at_the_call():
     with pytest.raises(TypeError, match="relu: expected a numeric array, got dtype bool"):
         nd.relu(b)
     np.testing.assert_array_equal(nd.relu(b.astype("float32")).asnumpy(), [1.0, 0.0])
+
+
+def test_edge_cases_found_against_numpy():
+    """Found by a break-it pass comparing with NumPy: an int array compared with a Python
+    float compared in float32 (3 < 3.0000001 was False); clip of int64 with bounds beyond
+    2**53 lost them in float(); x[None] = v on a 0-d elementwise result failed (a NumPy
+    scalar was stored); dot over a size-0 contraction of a 3-d operand raised; float sizes in
+    a shape were truncated; & | ^ ~ on integers gave logical results where NumPy's are
+    bitwise (now an error)."""
+    import hybridl as hl
+    a = np.array([3, 16777217], np.int64)
+    x = hl.nd.array(a)
+    for op in ("__lt__", "__eq__", "__ne__", "__ge__"):
+        for v in (3.0000001, 16777217.0):
+            np.testing.assert_array_equal(getattr(x, op)(v).asnumpy(), getattr(a, op)(v))
+    b = np.array([False, True])
+    np.testing.assert_array_equal((hl.nd.array(b) >= 1e-300).asnumpy(), b >= 1e-300)
+    big = np.array([2 ** 62, 2 ** 62 + 5, 0], np.int64)
+    np.testing.assert_array_equal(hl.nd.clip(hl.nd.array(big), 2 ** 62 + 1, 2 ** 62 + 3).asnumpy(),
+                                  np.clip(big, 2 ** 62 + 1, 2 ** 62 + 3))
+    z = hl.nd.array(np.float32(1.0)) + 1.0
+    z[None] = 5.0
+    assert z.asnumpy() == 5.0
+    d = hl.nd.dot(hl.nd.zeros((2, 3, 0)), hl.nd.zeros((0, 4)))
+    np.testing.assert_array_equal(d.asnumpy(), np.zeros((2, 3, 4)))
+    for make in (lambda: hl.nd.zeros((2.5,)), lambda: hl.nd.ones((2,)).reshape((2.0,)),
+                 lambda: hl.nd.broadcast_to(hl.nd.ones((3,)), (2.7, 3))):
+        with pytest.raises(TypeError):
+            make()
+    ints = hl.nd.array(np.array([7, -7], np.int64))
+    for f in (lambda: ~ints, lambda: ints & 3, lambda: 1 | (ints > 0), lambda: ints ^ ints):
+        with pytest.raises(TypeError, match="bitwise integer operators are not supported"):
+            f()
+    m = hl.nd.array(np.array([True, False]))
+    np.testing.assert_array_equal((~m & True).asnumpy(), [False, True])

@@ -11,10 +11,11 @@ Public interface (DESIGN §3)::
 ``HYBRIDL_ENGINE=naive|threaded`` selects the engine at import (default ``threaded``).
 """
 import atexit
-import sys
 import contextlib
 import os
+import sys
 import threading
+import time
 
 from . import _malloc
 from .base import Engine, OpError, Var
@@ -183,20 +184,34 @@ def start_workers(devices):
     _current.waitall()
 
 
+_EXIT_GRACE_S = 2.0     # seconds pending work may take at exit before it is cancelled
+
+
 @atexit.register
 def _shutdown():
-    """At exit the workers stop: queued ops are cancelled, running ones get a moment to
-    finish (DESIGN: exit finishes or cancels pending work, cleanly). Nothing goes unsaid: the
-    errors of ops whose results nothing waited for, and how many pushed ops were cancelled,
-    are printed on stderr (``hl.waitall()`` before the end runs everything and raises). After
-    a Ctrl-C that ended the program nothing is printed (the user asked to stop)."""
+    """At exit pending work gets up to ``_EXIT_GRACE_S`` seconds to finish (the last op of a
+    script whose result nothing read, a file being written), then the workers stop: what is
+    still queued is cancelled (DESIGN: exit finishes or cancels pending work, cleanly).
+    Nothing goes unsaid: the errors of ops whose results nothing waited for, and how many
+    pushed ops were cancelled, are printed on stderr (``hl.waitall()`` before the end runs
+    everything and raises). After a Ctrl-C that ended the program nothing waits and nothing
+    is printed (the user asked to stop)."""
     eng = _current
+    interrupted = getattr(sys, "last_type", None) is KeyboardInterrupt
+    try:
+        pending = getattr(eng, "pending", None)
+        if pending is not None and not interrupted:
+            end = time.monotonic() + _EXIT_GRACE_S
+            while pending() and time.monotonic() < end:
+                time.sleep(0.005)
+    except (Exception, KeyboardInterrupt):  # noqa: BLE001 - a Ctrl-C while waiting: stop
+        pass
     try:
         eng.shutdown()
     except (Exception, KeyboardInterrupt):  # noqa: BLE001 - a second Ctrl-C while the
         pass                                # workers stop: the program is leaving anyway
     try:
-        if getattr(sys, "last_type", None) is KeyboardInterrupt:
+        if interrupted:
             return
         with eng._err_lock:
             lost = [e for e in eng._errors if not e.reported]

@@ -679,6 +679,12 @@ class ThreadedEngine(Engine):
                     continue
             self._run_here(job, q)
 
+    def pending(self):
+        """Whether any device queue still has ops queued or running (ops waiting for those
+        are released into the queues as they finish)."""
+        with self._lock:
+            return any(q.heap or q.busy for q in self._queues.values())
+
     def shutdown(self, timeout=2.0):
         """Cancel queued ops, let running ones finish (up to ``timeout`` seconds), stop workers.
 

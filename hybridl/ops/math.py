@@ -8,6 +8,7 @@ ops) and go through :func:`hybridl.ops.dispatch.apply`.
 import builtins
 import math
 import numbers
+import operator
 
 import numpy as np
 
@@ -590,14 +591,16 @@ CLIP = register("clip", _clip_kernel, _same, _g_clip)
 
 
 def _bound(name, v):
-    """A clip bound as a Python float (None stays None): numbers, and one-element arrays
-    (a 0-d NDArray is a sync point); TypeError otherwise."""
+    """A clip bound as a Python int (an integer: exact, 2**62 + 1 stays itself) or float (None
+    stays None): numbers, and one-element arrays (a 0-d NDArray is a sync point); TypeError
+    otherwise."""
     if v is None or type(v) is float or type(v) is int:
         return v
     if not isinstance(v, bool):
         try:
             if getattr(v, "size", 1) == 1:
-                return float(v)
+                a = v.asnumpy() if hasattr(v, "asnumpy") else np.asarray(v)
+                return int(a) if a.dtype.kind in "iu" else float(a)
         except (TypeError, ValueError):
             pass
     raise TypeError(f"clip: {name} must be a number or None (array bounds are not supported; "
@@ -616,8 +619,8 @@ def clip(x, a_min=None, a_max=None):
     a_min, a_max = _bound("a_min", a_min), _bound("a_max", a_max)
     if a_min is not None and a_max is not None and a_min > a_max:
         raise ValueError(f"clip: a_min={a_min} must be <= a_max={a_max}")
-    return apply(CLIP, x, a_min=None if a_min is None else float(a_min),
-                 a_max=None if a_max is None else float(a_max))
+    return apply(CLIP, x, a_min=a_min if a_min is None or type(a_min) is int else float(a_min),
+                 a_max=a_max if a_max is None or type(a_max) is int else float(a_max))
 
 
 # cast
@@ -932,8 +935,9 @@ def dot(a, b):
         return matmul(a, b)
     if a.shape[-1] != b.shape[0]:
         raise ValueError(f"dot: contraction dimensions differ: shapes {a.shape} and {b.shape}")
-    a2 = reshape(a, (-1, a.shape[-1]))
-    b2 = reshape(b, (b.shape[0], -1))
+    # explicit sizes: -1 is ambiguous when a contracted or kept size is 0
+    a2 = reshape(a, (numel(a.shape[:-1]), a.shape[-1]))
+    b2 = reshape(b, (b.shape[0], numel(b.shape[1:])))
     return reshape(matmul(a2, b2), a.shape[:-1] + b.shape[1:])
 
 
@@ -1099,8 +1103,17 @@ def fully_connected(x, weight, bias=None, flatten=True, act=None):
 # ============================================================================ shape ops
 
 
+def _int_sizes(name, sizes):
+    """``sizes`` as a tuple of ints (ints and NumPy integers: 2.5 or 3.0 is a TypeError, as in
+    NumPy; int() truncated them silently)."""
+    try:
+        return tuple(operator.index(s) for s in sizes)
+    except TypeError:
+        raise TypeError(f"{name}: the shape must hold integers, got {tuple(sizes)!r}") from None
+
+
 def _resolve_shape(name, shape, newshape):
-    newshape = tuple(int(s) for s in newshape)
+    newshape = _int_sizes(name, newshape)
     if newshape.count(-1) > 1:
         raise ValueError(f"{name}: at most one -1 allowed in the new shape, got {newshape}")
     n = numel(shape)
@@ -1223,7 +1236,7 @@ BROADCAST_TO = register("broadcast_to", lambda x, shape: np.broadcast_to(x, shap
 
 def broadcast_to(x, shape):
     """Broadcast ``x`` to ``shape`` (NumPy rules; a read-only view)."""
-    shape = tuple(int(s) for s in shape)
+    shape = _int_sizes("broadcast_to", shape)
     if shape == tuple(x.shape):
         return identity(x)
     return apply(BROADCAST_TO, x, shape=shape)
