@@ -55,6 +55,22 @@ def resolve(path):
     return os.path.realpath(p) if os.path.islink(p) else p
 
 
+def probe_write(path, option):
+    """Create and remove a temporary file beside ``path``: a directory the process cannot
+    write into (permissions, /proc, a read-only mount) is an error before any work is done
+    (the command-line tools check their output paths so).
+
+    Raises:
+        PermissionError: naming ``option`` and the directory."""
+    d = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".hybridl-probe-", dir=d)
+        os.close(fd)
+        os.remove(tmp)
+    except OSError as e:
+        raise PermissionError(f"{option}: cannot write files into {d!r} ({e.strerror})") from None
+
+
 def _check_target(path):
     """The target's directory must exist and the target must not be a directory (checked for
     every file before anything is written)."""

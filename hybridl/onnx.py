@@ -25,7 +25,6 @@ nodes make the ONNX types match hybridl's.
 """
 import numbers
 import os
-import tempfile
 
 import numpy as np
 
@@ -690,20 +689,13 @@ def export(net, sample_input, path, opset=17):
     model = _build_model(g, data_inputs, pvals, int(opset), onnx, type(net).__name__)
     data = model.SerializeToString()
     onnx.checker.check_model(data, full_check=True)
-    d = os.path.dirname(path)
-    mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=d)
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as f:
+    from ._io import atomic_write
+
+    def write(tmp):
+        with open(tmp, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+    try:                        # (the common writer: a link's target replaced, mode kept)
+        atomic_write(path, write)
     except OSError as e:
         raise type(e)(e.errno, f"path: cannot write {path!r} ({e.strerror or e})") from e
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.remove(tmp)
     return path

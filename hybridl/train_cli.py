@@ -12,6 +12,8 @@ import time
 
 import numpy as np
 
+from ._io import probe_write as _probe_write
+
 __all__ = ["main", "build_parser", "fit", "evaluate"]
 
 _DATASETS = ("digits", "mnist", "fashion-mnist")
@@ -468,19 +470,6 @@ def _overall_rate(hist):
     (not the mean of the per-epoch rates, which a fast short epoch would inflate)."""
     secs = sum(h["seconds"] for h in hist)
     return sum(h["samples_per_s"] * h["seconds"] for h in hist) / secs if secs > 0 else 0.0
-
-
-def _probe_write(path, option):
-    """Create and remove a temporary file beside ``path``: a directory the process cannot
-    write into (permissions, /proc, a read-only mount) is an error before any work is done."""
-    import tempfile
-    d = os.path.dirname(os.path.abspath(path))
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".hybridl-probe-", dir=d)
-        os.close(fd)
-        os.remove(tmp)
-    except OSError as e:
-        raise PermissionError(f"{option}: cannot write files into {d!r} ({e.strerror})") from None
 
 
 def _train(args):

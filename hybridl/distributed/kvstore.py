@@ -16,9 +16,13 @@ What the Trainer does with it (``hl.Trainer(..., kvstore='dist')``):
    each gradient to its slice of the result. The engine starts it as soon as those gradients
    are computed -- while backward of earlier layers still runs on the compute worker -- and the
    optimizer update of a parameter waits only for its own bucket.
-3. Each bucket buffer carries two extra elements (a layout tag, see
-   :func:`hybridl.distributed._backend.tag_values`): if ranks packed different layouts, every
-   rank raises a :class:`DistributedError` instead of using mixed data.
+3. Each (float) bucket buffer carries five extra elements, summed with it: a layout tag and its
+   square (see :func:`hybridl.distributed._backend.tag_values`): if ranks packed different
+   layouts, every rank raises a :class:`DistributedError` instead of using mixed data; the
+   number of ranks whose gradients failed (their batch raised: every rank then fails the
+   step, see :func:`hybridl.distributed._backend.push_collective`); and each rank's batch
+   size with a count of the ranks that gave one (unequal batches are rescaled to the mean
+   over the global batch, see ``local_batch``).
 
 The kvstore sums; the Trainer divides by ``num_workers`` as well as by the batch size, so
 ``trainer.step(local_batch_size)`` averages over the global batch (as Horovod's
@@ -325,13 +329,13 @@ class DistKVStore(KVStore):
         reads = [v._var for vals, _, _ in items for v in vals]
         writes = [o._var for _, outs, _ in items for o in outs]
         n, dt, tag, size = b.n, b.dtype, b.tag, st.size
-        # (tag, tag^2) checks the ranks' layouts; a third element counts the ranks whose
-        # gradients failed (see _backend.push_collective): then every rank fails this step
-        extra = _backend.tag_values(tag, "sum", dt) if dt in (np.float32, np.float64) else None
-        # then this rank's batch and whether it is known (see local_batch)
+        # the buffer's tail (module docstring, 3.): tag, tag^2, failed (set when it runs),
+        # this rank's batch, whether that is known
         lb = self.local_batch
-        if extra is not None:
-            extra = np.append(extra, [0, lb or 0, 1 if lb else 0]).astype(dt)
+        extra = None
+        if dt in (np.float32, np.float64):
+            extra = np.append(_backend.tag_values(tag, "sum", dt), [0, lb or 0, 1 if lb else 0])
+            extra = extra.astype(dt)
 
         bufs = self._bufs
 

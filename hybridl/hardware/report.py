@@ -390,14 +390,13 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
         for opt, path in (("--json", args.json), ("--plot", args.plot)):
             if path is not None:
-                from .._io import _check_target, resolve
-                from ..train_cli import _probe_write
+                from .._io import _check_target, probe_write, resolve
                 try:                     # checked before measuring for minutes, not after
                     _check_target(resolve(path))
                 except (ValueError, OSError) as e:
                     raise _UsageError(f"{opt}: {e}") from None
                 try:                     # a directory it cannot write into (/proc, read-only)
-                    _probe_write(resolve(path), opt)
+                    probe_write(resolve(path), opt)
                 except OSError as e:
                     raise _UsageError(str(e)) from None
         if args.storage_dir is not None and not os.path.isdir(args.storage_dir):
