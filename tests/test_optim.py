@@ -374,6 +374,19 @@ def test_optimizer_argument_errors():
         optim.Trainer(_param(W0), "sgd")
 
 
+def test_learning_rate_alias_lr():
+    # lr is an alias of learning_rate: either gives the rate; both with different values are
+    # refused (lr used to win silently); the defaults stay the class's
+    assert optim.SGD(lr=0.5).learning_rate == 0.5
+    assert optim.Adam(learning_rate=0.2, lr=0.2).learning_rate == 0.2
+    assert optim.SGD().learning_rate == 0.01
+    assert optim.Adam().learning_rate == 0.001 and optim.AdamW().learning_rate == 0.001
+    with pytest.raises(ValueError, match="learning_rate=0.1 and its alias lr=0.5"):
+        optim.Trainer([_param(W0)], "sgd", {"learning_rate": 0.1, "lr": 0.5})
+    with pytest.raises(ValueError, match="alias lr"):
+        optim.AdamW(learning_rate=0.1, lr=0.01)
+
+
 # ----------------------------------------------------------------------------- async race
 
 

@@ -68,14 +68,23 @@ class Optimizer:
 
     Raises:
         TypeError: a hyper-parameter that is not a number.
-        ValueError: a learning rate or weight decay that is negative or infinite,
+        ValueError: a learning rate or weight decay that is negative or infinite, both
+            ``learning_rate`` and its alias ``lr`` with different values,
             rescale_grad not finite and > 0, clip_gradient <= 0.
     """
 
     state_names = ()
 
-    def __init__(self, learning_rate=0.01, wd=0.0, rescale_grad=1.0, clip_gradient=None,
+    default_learning_rate = 0.01
+
+    def __init__(self, learning_rate=None, wd=0.0, rescale_grad=1.0, clip_gradient=None,
                  lr=None):
+        if learning_rate is not None and lr is not None and _number("lr", lr) != _number(
+                "learning_rate", learning_rate):
+            raise ValueError(f"learning_rate={learning_rate!r} and its alias lr={lr!r} were both "
+                             f"given, with different values; give one of them")
+        if learning_rate is None and lr is None:
+            learning_rate = self.default_learning_rate
         lr = _number("learning_rate", learning_rate if lr is None else lr)
         wd = _number("wd", wd)
         rescale_grad = _number("rescale_grad", rescale_grad)
@@ -207,7 +216,8 @@ class SGD(Optimizer):
     ``nesterov`` (Sutskever et al. 2013); without momentum ``w -= lr * g``.
 
     Args:
-        learning_rate (float): >= 0 (alias ``lr``). momentum (float): in [0, 1].
+        learning_rate (float): >= 0, default 0.01 (alias ``lr``; giving both with different
+            values is a ValueError). momentum (float): in [0, 1].
         wd (float): L2 weight decay >= 0. nesterov (bool): needs momentum > 0.
         rescale_grad, clip_gradient: see :class:`Optimizer`.
 
@@ -216,7 +226,7 @@ class SGD(Optimizer):
         ValueError: a value out of its range; nesterov without momentum.
     """
 
-    def __init__(self, learning_rate=0.01, momentum=0.0, wd=0.0, nesterov=False, **kw):
+    def __init__(self, learning_rate=None, momentum=0.0, wd=0.0, nesterov=False, **kw):
         super().__init__(learning_rate, wd, **kw)
         momentum = _number("momentum", momentum)
         if not 0.0 <= momentum < 1.0 + 1e-12:
@@ -292,7 +302,8 @@ class Adam(Optimizer):
     + epsilon)``.
 
     Args:
-        learning_rate (float): >= 0 (alias ``lr``). beta1, beta2 (float): in [0, 1).
+        learning_rate (float): >= 0, default 0.001 (alias ``lr``; both with different values:
+            ValueError). beta1, beta2 (float): in [0, 1).
         epsilon (float): finite, >= 0 (as PyTorch's ``eps``). wd (float): >= 0.
         rescale_grad, clip_gradient: see :class:`Optimizer`.
 
@@ -304,7 +315,9 @@ class Adam(Optimizer):
     state_names = ("mean", "var")
     decoupled = False
 
-    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, wd=0.0, **kw):
+    default_learning_rate = 0.001
+
+    def __init__(self, learning_rate=None, beta1=0.9, beta2=0.999, epsilon=1e-8, wd=0.0, **kw):
         super().__init__(learning_rate, wd, **kw)
         beta1, beta2 = _number("beta1", beta1), _number("beta2", beta2)
         epsilon = _number("epsilon", epsilon)
@@ -380,7 +393,7 @@ class AdamW(Adam):
 
     decoupled = True
 
-    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, wd=0.01, **kw):
+    def __init__(self, learning_rate=None, beta1=0.9, beta2=0.999, epsilon=1e-8, wd=0.01, **kw):
         super().__init__(learning_rate, beta1, beta2, epsilon, wd, **kw)
 
 
