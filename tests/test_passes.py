@@ -443,6 +443,48 @@ def test_simplify_reduces_concat_parts_separately(red, keepdims):
     assert h2.count("concat") == 1 and h2.count("sum") == 1
 
 
+@pytest.mark.parametrize("kernel, stride, padding, H, moved", [
+    (2, 2, 0, 8, True),         # windows tile the image: the mask moves before the scatter
+    (3, 3, 0, 9, True),
+    (2, 1, 0, 6, False),        # overlapping windows: accumulated sums, kept as they are
+    (2, 2, 1, 6, False),        # padding
+    (2, 2, 0, 7, False),        # a last row in no window
+])
+def test_simplify_moves_the_relu_mask_before_a_max_pooling_gradient(kernel, stride, padding, H, moved):
+    from hybridl.ops import nn as _nn
+    from hybridl.ops.dispatch import apply
+    x = hl.sym.var("x", shape=(2, 3, H, H))
+    y = nd.max_pool2d(x, kernel, stride, padding)
+    dy = hl.sym.var("dy", shape=y.shape)
+    attrs = dict(kernel=(kernel, kernel), stride=(stride, stride), padding=(padding, padding))
+    dx = _math.relu_grad(apply(_nn.MAXPOOL_GRAD, dy, x, y, **attrs), x)
+    h = P.eliminate_dead_code(P.simplify_algebra(_g(dx, [x, dy])))
+    order = [n.op.name for n in h.op_nodes() if n.op.name.endswith("_grad")]
+    assert order == (["relu_grad", "max_pool2d_grad"] if moved else ["max_pool2d_grad", "relu_grad"])
+    if moved:       # the mask is taken on the pooled values and gradient, not on x
+        rg = [n for n in h.op_nodes() if n.op.name == "relu_grad"][0]
+        assert rg.specs[0][0] == y.shape and rg.inputs[1].node.op.name == "max_pool2d"
+    # the same values, bit for bit (NaN, inf, signed zeros, ties, all-zero and negative windows)
+    rng = np.random.default_rng(kernel * 10 + H)
+    specials = np.array([np.nan, np.inf, -np.inf, -0.0, 0.0, 0.0, 1.0, -1.0], np.float32)
+    for trial in range(20):
+        xv = rng.standard_normal((2, 3, H, H)).astype(np.float32)
+        xv[rng.random(xv.shape) < 0.3] = 0.0
+        k = rng.random(xv.shape) < 0.15
+        xv[k] = rng.choice(specials, int(k.sum()))
+        dyv = rng.standard_normal(y.shape).astype(np.float32)
+        k = rng.random(dyv.shape) < 0.2
+        dyv[k] = rng.choice(specials, int(k.sum()))
+        ref = hl.compile(dx, passes=[], inputs=[x, dy])(xv, dyv).asnumpy()
+        got = hl.compile(dx, passes=["simplify_algebra"], inputs=[x, dy])(xv, dyv).asnumpy()
+        np.testing.assert_array_equal(got, ref)
+        np.testing.assert_array_equal(np.signbit(got), np.signbit(ref))
+    # the pooling gradient read elsewhere too: not moved (it would be computed twice)
+    pg = apply(_nn.MAXPOOL_GRAD, dy, x, y, **attrs)
+    h = P.eliminate_dead_code(P.simplify_algebra(_g([_math.relu_grad(pg, x), pg * 2.0], [x, dy])))
+    assert h.count("max_pool2d_grad") == 1 and h.count("relu_grad") == 1
+
+
 def test_simplify_keeps_shape_and_dtype_changing_identities():
     x = hl.sym.var("x", shape=(3,))
     i = hl.sym.var("i", shape=(3,), dtype="int32")

@@ -4,7 +4,8 @@
 * ``eliminate_common_subexpressions`` — one node per (op, inputs, attrs); equal constants merged;
 * ``eliminate_dead_code`` — keep only what the outputs need;
 * ``simplify_algebra`` — x*1, 1*x, x/1, x+0, 0+x, x-0, -(-x), transpose of transpose, reshape
-  chains, reshape/identity to the same shape;
+  chains, reshape/identity to the same shape; the ReLU mask of a max-pooling gradient moved
+  before the pooling gradient (on kernel*kernel times fewer elements);
 * ``fuse_elementwise`` — chains of elementwise ops with one consumer each become one numexpr
   kernel (one pass over memory) when the arrays have at least ``fusion_threshold()`` elements;
 * ``plan_memory`` — liveness analysis and buffer reuse (see :func:`plan_memory`).
@@ -118,8 +119,9 @@ def simplify_algebra(graph):
     """Algebraic identities that keep shape, dtype and every value (NaN, inf and the sign of
     zero included): x*1, 1*x, x/1, x-0, x+(-0) and (-0)+x (x+0 only for integers: in floating
     point ``-0.0 + 0.0`` is ``+0.0``), -(-x), transpose(transpose(x)), reshape(reshape(x)),
-    reshape/broadcast/identity to the same shape; and a sum/mean/max/min over axes that keep a
-    concat's axis is taken part by part (``_reduce_parts``)."""
+    reshape/broadcast/identity to the same shape; a sum/mean/max/min over axes that keep a
+    concat's axis is taken part by part (``_reduce_parts``); and the ReLU mask of a max-pooling
+    gradient is applied to the pooled gradient instead (``_relu_grad_before_pool``)."""
     def same(a, node):
         return tuple(a.shape) == node.specs[0][0] and a.dtype == node.specs[0][1]
 
@@ -173,8 +175,48 @@ def simplify_algebra(graph):
                 return [ins[0]]
         elif name in _PER_PART_REDUCTIONS:
             return _reduce_parts(node, ins[0])
+        elif name == "relu_grad":
+            return _relu_grad_before_pool(node, ins, uses, outs)
         return None
+    uses, outs = _uses(graph), {s.key() for s in graph.outputs}
     return rebuild(graph, rw)
+
+
+def _uses(graph):
+    """value key -> number of node inputs that read it."""
+    uses = {}
+    for n in graph.nodes:
+        for s in n.inputs:
+            uses[s.key()] = uses.get(s.key(), 0) + 1
+    return uses
+
+
+def _relu_grad_before_pool(node, ins, uses, outs):
+    """``relu_grad(max_pool2d_grad(dy, x, y), x)`` -> ``max_pool2d_grad(relu_grad(dy, y), x, y)``
+    (``y = max_pool2d(x)``): the ReLU mask applied to the pooled gradient, kernel*kernel times
+    fewer elements (LeNet's first layer: 602k -> 150k), instead of the scattered one.
+
+    Exact, value for value: each window's ``dy`` goes to one position, its first maximum,
+    where ``x == y`` (or both are NaN), so ``x > 0`` there is ``y > 0``; every other position
+    gets ``dy * 0`` either way, with the same sign of zero (``relu_grad`` is ``g * (y > 0)``,
+    the pooling gradient ``dy * hit``: both products, in either order, give ``dy * 1`` or
+    ``dy * 0``). Only when every input position lies in exactly one window and is written
+    once (stride == kernel, no padding, the size divisible: the kernel's direct path); with
+    overlapping windows the accumulated sums could round or sign their zeros differently. The
+    pooling gradient must feed nothing else."""
+    src = node.inputs[0]
+    pg = src.node
+    if (pg.kind != "op" or pg.op.name != "max_pool2d_grad" or uses.get(src.key(), 0) != 1
+            or src.key() in outs or pg.inputs[1].key() != node.inputs[1].key()):
+        return None
+    a = pg.attrs
+    (kh, kw), (sh, sw), (ph, pw) = a["kernel"], a["stride"], a["padding"]
+    H, W = pg.inputs[1].shape[2:]
+    if not (kh == sh and kw == sw and ph == pw == 0 and H % kh == 0 and W % kw == 0):
+        return None
+    dy, x, y = ins[0].node.inputs
+    masked = Node("op", node.op, [dy, y], {}, [(tuple(dy.shape), dy.dtype)]).out()
+    return [Node("op", pg.op, [masked, x, y], pg.attrs, node.specs).out()]
 
 
 # reductions that may move through a concat along an axis they keep (each output element
@@ -319,10 +361,7 @@ def fuse_elementwise(graph, threshold=None):
     """
     import numexpr as ne
     thr = fusion_threshold() if threshold is None else threshold
-    uses = {}
-    for n in graph.nodes:
-        for s in n.inputs:
-            uses[s.key()] = uses.get(s.key(), 0) + 1
+    uses = _uses(graph)
     outs = {s.key() for s in graph.outputs}
 
     def ew(n):
