@@ -20,7 +20,7 @@ import pytest
 import hybridl as hl
 from hybridl import autograd, nn
 from hybridl import distributed as dist
-from hybridl.distributed.launch import find_mpiexec
+from hybridl.distributed.launch import _mapped_anywhere, find_mpiexec, remove_stale_shm, shm_files
 from hybridl.distributed.launch import main as launch_main
 
 # ============================================================================ single process
@@ -259,47 +259,18 @@ def _script(tmp_path, name, text):
     return str(p)
 
 
-_SHM = "/dev/shm"
-
-
-def _shm_files():
-    try:
-        return {f for f in os.listdir(_SHM) if f.startswith(("mpich_shm_", "mpich_", "vader_"))}
-    except OSError:
-        return set()
-
-
-def _mapped_anywhere(path):
-    """Whether a running process still maps (uses) ``path``."""
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/maps") as f:
-                    if path in f.read():
-                        return True
-            except OSError:
-                continue
-    return False
-
-
 def _mpirun(args, n=2, timeout=60, **env):
     """Run a job; shared-memory files that an aborted job (MPI_Abort, a killed rank) leaves
     behind in /dev/shm -- MPICH removes them only at a clean MPI_Finalize, 2 MB per job -- are
     deleted when no running process maps them."""
-    before = _shm_files()
+    before = shm_files()
     t0 = time.perf_counter()
     try:
         out = subprocess.run([MPIEXEC, "-n", str(n), *args], env=_env(**env), capture_output=True,
                              text=True, timeout=timeout)
     finally:
         dt = time.perf_counter() - t0
-        for f in _shm_files() - before:
-            path = os.path.join(_SHM, f)
-            if not _mapped_anywhere(path):
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
+        remove_stale_shm(before)
     return out, dt
 
 
@@ -430,6 +401,21 @@ def test_dead_rank_ends_the_job(tmp_path):
     assert out.returncode != 0
     assert "rank 0 finished" not in out.stdout
     assert dt < 2 + 20
+
+
+@mpi
+def test_launch_removes_the_shared_memory_an_aborted_job_leaves(tmp_path, monkeypatch):
+    # MPI_Abort skips MPICH's clean-up: each aborted job used to leave ~2 MB in /dev/shm
+    script = _script(tmp_path, "fail.py", _FAIL)
+    for k, v in _env().items():
+        monkeypatch.setenv(k, v)
+    before = shm_files()
+    rc = launch_main(["-n", "2", "--mpiexec", MPIEXEC, "--timeout", "2", "--", sys.executable,
+                      script, "die"])
+    assert rc != 0
+    # what is new and unmapped was left behind (jobs of tests running beside this one map theirs)
+    left = [f for f in shm_files() - before if not _mapped_anywhere(os.path.join("/dev/shm", f))]
+    assert left == []
 
 
 @mpi

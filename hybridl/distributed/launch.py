@@ -10,6 +10,12 @@ It runs ``mpiexec -n N [-f/--hostfile FILE] COMMAND ...`` and returns the job's 
 running Python (a virtual environment's ``bin/``, where the ``mpich`` wheel puts it), the
 ``mpich`` wheel's own files, then ``PATH``. The folder of the running Python is put first on
 the job's ``PATH`` so that ``python`` and ``hybridl`` in COMMAND are this environment's.
+
+An aborted job (``MPI_Abort``: a failed rank, the collective timeout; a killed rank) leaves
+its shared-memory files in ``/dev/shm`` (MPICH removes them only at a clean ``MPI_Finalize``,
+about 2 MB per job on one machine): when the job has ended, ``launch`` deletes the files of
+that kind that appeared while it ran and that no running process maps any more
+(:func:`remove_stale_shm`).
 """
 import argparse
 import os
@@ -18,7 +24,52 @@ import signal
 import subprocess
 import sys
 
-__all__ = ["main", "find_mpiexec"]
+__all__ = ["main", "find_mpiexec", "shm_files", "remove_stale_shm"]
+
+_SHM = "/dev/shm"
+_SHM_PREFIXES = ("mpich_shm_", "mpich_", "vader_")     # MPICH (ch4/ch3), Open MPI's vader
+
+
+def shm_files():
+    """Names of the MPI shared-memory files now in ``/dev/shm`` (an empty set where there is
+    no such folder or it cannot be read)."""
+    try:
+        return {f for f in os.listdir(_SHM) if f.startswith(_SHM_PREFIXES)}
+    except OSError:
+        return set()
+
+
+def _mapped_anywhere(path):
+    """Whether a running process (that this user may inspect) still maps ``path``."""
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return True                     # cannot tell: keep the file
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                if path in f.read():
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def remove_stale_shm(before):
+    """Delete the MPI shared-memory files that are not in ``before`` (a :func:`shm_files`
+    result from before a job started) and that no running process maps: what an aborted job
+    left behind. Files of other users cannot be deleted (``/dev/shm`` is sticky) and are left
+    alone, as is any file still in use. Returns the names deleted."""
+    gone = []
+    for f in sorted(shm_files() - set(before)):
+        path = os.path.join(_SHM, f)
+        if not _mapped_anywhere(path):
+            try:
+                os.unlink(path)
+                gone.append(f)
+            except OSError:
+                pass
+    return gone
 
 
 def find_mpiexec(explicit=None):
@@ -125,20 +176,25 @@ def main(argv=None):
     if args.dry_run:
         print(" ".join(full))
         return 0
+    before = shm_files()
     try:
         proc = subprocess.Popen(full, env=env)
     except OSError as e:
         print(f"hybridl launch: error: cannot run {mpiexec!r}: {e}", file=sys.stderr)
         return 127
     try:
-        return proc.wait()
-    except KeyboardInterrupt:       # forward Ctrl-C to mpiexec (it forwards to the ranks)
-        proc.send_signal(signal.SIGINT)
         try:
-            return proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
             return proc.wait()
+        except KeyboardInterrupt:       # forward Ctrl-C to mpiexec (it forwards to the ranks)
+            proc.send_signal(signal.SIGINT)
+            try:
+                return proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                return proc.wait()
+    finally:
+        if proc.returncode not in (None, 0):      # a clean job removed its own files
+            remove_stale_shm(before)
 
 
 if __name__ == "__main__":
