@@ -419,6 +419,24 @@ def test_launch_removes_the_shared_memory_an_aborted_job_leaves(tmp_path, monkey
 
 
 @mpi
+def test_a_rank_that_aborts_the_job_unlinks_its_shared_memory(tmp_path):
+    # plain mpiexec (no hybridl launch to clean up): rank 0's watchdog aborts the job when
+    # rank 1 hangs, and unlinks the /dev/shm files the ranks share before MPI_Abort
+    script = _script(tmp_path, "fail.py", _FAIL)
+    before = shm_files()
+    try:
+        out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, script, "hang"],
+                             env=_env(HYBRIDL_DIST_TIMEOUT=2), capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode != 0 and "aborting the job" in out.stderr
+        left = [f for f in shm_files() - before
+                if not _mapped_anywhere(os.path.join("/dev/shm", f))]
+        assert left == []
+    finally:
+        remove_stale_shm(before)
+
+
+@mpi
 def test_hanging_rank_aborts_the_job_after_the_timeout(tmp_path):
     script = _script(tmp_path, "fail.py", _FAIL)
     out, dt = _mpirun([sys.executable, script, "hang"], HYBRIDL_DIST_TIMEOUT=2)

@@ -179,6 +179,11 @@ def _abort(msg, code=70):
     # give the launcher's I/O forwarding a moment: MPI_Abort tears the job down at once, and
     # the message was sometimes lost on its way to mpiexec's stderr (1 run in 4 under load)
     time.sleep(0.5)
+    try:                            # MPI_Abort skips MPICH's clean-up of its /dev/shm files
+        from .launch import unlink_own_shm
+        unlink_own_shm()
+    except Exception:  # noqa: BLE001 - best effort
+        pass
     try:
         st.mpi.COMM_WORLD.Abort(code)
     finally:                        # Abort does not return; if it did, end this process anyway

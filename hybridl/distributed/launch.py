@@ -13,9 +13,11 @@ the job's ``PATH`` so that ``python`` and ``hybridl`` in COMMAND are this enviro
 
 An aborted job (``MPI_Abort``: a failed rank, the collective timeout; a killed rank) leaves
 its shared-memory files in ``/dev/shm`` (MPICH removes them only at a clean ``MPI_Finalize``,
-about 2 MB per job on one machine): when the job has ended, ``launch`` deletes the files of
-that kind that appeared while it ran and that no running process maps any more
-(:func:`remove_stale_shm`).
+about 2 MB per job on one machine). A rank that aborts the job itself (the collective
+timeout, an MPI error) first unlinks the files it maps (:func:`unlink_own_shm`); for the rest
+(a rank killed, or one that called ``MPI_Abort`` directly), when the job has ended, ``launch``
+deletes the files of that kind that appeared while it ran and that no running process maps
+any more (:func:`remove_stale_shm`).
 """
 import argparse
 import os
@@ -24,7 +26,7 @@ import signal
 import subprocess
 import sys
 
-__all__ = ["main", "find_mpiexec", "shm_files", "remove_stale_shm"]
+__all__ = ["main", "find_mpiexec", "shm_files", "remove_stale_shm", "unlink_own_shm"]
 
 _SHM = "/dev/shm"
 _SHM_PREFIXES = ("mpich_shm_", "mpich_", "vader_")     # MPICH (ch4/ch3), Open MPI's vader
@@ -53,6 +55,28 @@ def _mapped_anywhere(path):
         except OSError:
             continue
     return False
+
+
+def unlink_own_shm():
+    """Unlink the MPI shared-memory files this process maps (called by a rank right before it
+    aborts the job: the other local ranks have mapped them since ``MPI_Init``, so nothing
+    still running loses them, and the memory is freed when the last rank ends). Covers jobs
+    started with plain ``mpiexec``; returns the paths unlinked."""
+    gone = []
+    try:
+        with open("/proc/self/maps") as f:     # "address perms offset dev inode [path]"
+            fields = [line.split(None, 5) for line in f]
+    except OSError:
+        return gone
+    paths = {x[5].strip() for x in fields if len(x) == 6}
+    for path in sorted(paths):
+        if (os.path.dirname(path) == _SHM and os.path.basename(path).startswith(_SHM_PREFIXES)):
+            try:
+                os.unlink(path)
+                gone.append(path)
+            except OSError:
+                pass
+    return gone
 
 
 def remove_stale_shm(before):
