@@ -200,6 +200,8 @@ if mode == "shape":
     print(dist.allreduce(x).asnumpy())
     sys.exit(0)
 units = 8 if (mode == "params" and rank == 1) else 16
+if mode == "bucket" and rank == 1:
+    os.environ["HYBRIDL_DIST_BUCKET_MB"] = "0.0001"
 net = nn.Sequential()
 net.add(nn.Dense(units, in_units=4, activation="relu"), nn.Dense(2, in_units=units))
 net.initialize()
@@ -381,6 +383,17 @@ def test_mismatched_parameters_fail_on_every_rank(tmp_path):
     assert out.returncode != 0
     assert out.stderr.count("the ranks' parameters differ") >= 2, out.stderr
     assert "shape (16, 4) float32 vs rank 1" in out.stderr
+    assert dt < 30
+
+
+@mpi
+def test_mismatched_bucket_sizes_fail_on_every_rank(tmp_path):
+    # the ranks' buckets would pair different gradients (MPI failed with "Message truncated")
+    script = _script(tmp_path, "fail.py", _FAIL)
+    out, dt = _mpirun([sys.executable, script, "bucket"])
+    assert out.returncode != 0
+    assert out.stderr.count("the ranks' gradient bucket sizes differ") >= 2, out.stderr
+    assert "bytes, rank 1 104 bytes" in out.stderr
     assert dt < 30
 
 

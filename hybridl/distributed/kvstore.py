@@ -161,7 +161,8 @@ class DistKVStore(KVStore):
         compared first, in one exchange.
 
         Raises:
-            DistributedError: the ranks' keys/shapes/dtypes differ (raised on every rank).
+            DistributedError: the ranks' keys/shapes/dtypes, or their bucket sizes, differ
+                (raised on every rank).
             ValueError: a key already initialized.  TypeError: not NDArrays.
         """
         pairs = [(k, self._list(v, "value")) for k, v in self._keys(key, value)]
@@ -188,7 +189,10 @@ class DistKVStore(KVStore):
         st = self._st
         if st.size == 1:
             return
-        desc = [f"{k!r}: shape {tuple(s)} {np.dtype(d)}" for k, s, d in sig]
+        # the first line: the bucket size, which must match too (the ranks' buckets would
+        # pair different gradients; MPI then failed with "Message truncated")
+        desc = [f"bucket_bytes {self.bucket_bytes}"]
+        desc += [f"{k!r}: shape {tuple(s)} {np.dtype(d)}" for k, s, d in sig]
         payload = "\n".join(desc).encode()
         box = {}
 
@@ -203,10 +207,16 @@ class DistKVStore(KVStore):
         v = Var("dist.signature")
         _backend.push_collective(gather, [], [v], "kv.check_parameters", len(payload))
         _engine.wait_for(v)
-        mine = box["all"][0].split("\n") if box["all"][0] else []
+        head, *mine = box["all"][0].split("\n")
+        sizes = [text.split("\n")[0] for text in box["all"]]
+        if any(h != head for h in sizes):
+            raise DistributedError(
+                "kvstore 'dist': the ranks' gradient bucket sizes differ (bucket_mb / "
+                "HYBRIDL_DIST_BUCKET_MB must be the same on every rank): "
+                + ", ".join(f"rank {r} {h.split()[1]} bytes" for r, h in enumerate(sizes)))
         problems = []
         for r, text in enumerate(box["all"][1:], start=1):
-            other = text.split("\n") if text else []
+            other = text.split("\n")[1:]
             if other == mine:
                 continue
             msg = f"rank {r} has {len(other)} parameters, rank 0 has {len(mine)}"
