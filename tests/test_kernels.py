@@ -247,6 +247,35 @@ def test_max_pool_separable_blocks_match_definition(monkeypatch):
         np.testing.assert_array_equal(out, y)
 
 
+@pytest.mark.parametrize("shape,k,s,p", [c for c in POOL_CASES if c[3] != (0, 0)])
+def test_max_pool_grad_of_minus_inf_windows_stays_inside_the_input(shape, k, s, p):
+    # windows whose real inputs are all -inf (a masked score map): the max is -inf, and so is
+    # the padding; the gradient must go to the first *input* position (PyTorch's argmax),
+    # not to a padding cell that is then cropped (the gradient was lost)
+    x = _untied(shape)
+    x[..., : shape[2] // 2, :] = -np.inf
+    x[0, 0] = -np.inf
+    y = K.max_pool2d(x, k, s, p)
+    dy = np.ones_like(y)
+    dx = K.max_pool2d_grad(dy, x, y, k, s, p)
+    # reference: each window's dy to its first maximum among its input positions
+    ref = np.zeros_like(x)
+    N, C, H, W = shape
+    for n in range(N):
+        for c in range(C):
+            for oh in range(y.shape[2]):
+                for ow in range(y.shape[3]):
+                    best = None
+                    for i in range(k[0]):
+                        for j in range(k[1]):
+                            r, q = oh * s[0] + i - p[0], ow * s[1] + j - p[1]
+                            if 0 <= r < H and 0 <= q < W and (best is None or x[n, c, r, q] > x[n, c][best]):
+                                best = (r, q)
+                    ref[n, c][best] += dy[n, c, oh, ow]
+    np.testing.assert_array_equal(dx, ref)
+    assert dx.sum() == dy.sum()
+
+
 def test_max_pool_grad_ties_go_to_first_max():
     x = np.ones((1, 1, 4, 4))
     y = K.max_pool2d(x, (2, 2), (2, 2), (0, 0))

@@ -235,9 +235,13 @@ def max_pool2d_grad(dy, x, y, kernel, stride=None, padding=(0, 0), *, out=None):
     xp = _pad(x, ph, pw, -np.inf)
     dxp = np.zeros(xp.shape, dtype=dy.dtype)
     tmp = np.empty((N, C, OH, OW), dtype=dy.dtype)
+    oh, ow = np.arange(OH)[:, None] * sh - ph, np.arange(OW)[None, :] * sw - pw
     for i in range(kh):
         for j in range(kw):
             equal(_window(xp, i, j, OH, OW, sh, sw), hit)
+            inside = (oh + i >= 0) & (oh + i < H) & (ow + j >= 0) & (ow + j < W)
+            if not inside.all():    # a -inf max never goes to the padding (PyTorch's argmax
+                hit &= inside       # is always an input position), gradient would be lost
             np.greater(hit, taken, out=hit)  # hit and not taken
             taken |= hit
             np.multiply(dy, hit, out=tmp)
