@@ -199,6 +199,16 @@ def _conv_cast(c, node, ins, outs):
     c.node("Cast", ins, outs, to=_tdtype(node.attrs["dtype"]))
 
 
+def _conv_emb_indices(c, node, ins, outs):
+    # float embedding indices: clipped to [-1, rows] as floats, then truncated to int64 (a NaN
+    # index, an error in hybridl, is whatever the runtime's Cast makes of it)
+    dt = node.inputs[0].dtype
+    tmp = c.fresh("emb_idx")
+    c.node("Clip", [ins[0], c.const(np.asarray(-1, dt), "clip_min"),
+                    c.const(np.asarray(node.attrs["rows"], dt), "clip_max")], [tmp])
+    c.node("Cast", [tmp], outs, to=_tdtype("int64"))
+
+
 def _conv_identity(c, node, ins, outs):
     c.node("Identity", ins, outs)
 
@@ -463,6 +473,7 @@ _CONVERTERS = {
     "less": _compare("Less"), "less_equal": _compare("LessOrEqual"),
     "logical_and": _logical("And"), "logical_or": _logical("Or"), "logical_xor": _logical("Xor"),
     "where": _conv_where, "clip": _conv_clip, "cast": _conv_cast,
+    "embedding_indices": _conv_emb_indices,
     "sum": _reduce("sum"), "mean": _reduce("mean"), "max": _reduce("max"), "min": _reduce("min"),
     "prod": _reduce("prod"), "argmax": _arg("ArgMax"), "argmin": _arg("ArgMin"),
     "reshape": _conv_reshape, "transpose": _conv_transpose, "broadcast_to": _conv_broadcast_to,

@@ -1710,6 +1710,19 @@ def test_embedding_takes_float_indices_as_mxnet():
         e(nd.array([True, False]))
 
 
+def test_embedding_clips_huge_and_infinite_float_indices_and_refuses_nan():
+    # a float index of inf or beyond int64 was cast to INT64_MIN and read row 0; NaN too
+    e = nn.Embedding(5, 2)
+    e.initialize()
+    W = e.weight.data().asnumpy()
+    idx = np.array([4.0, 100.0, 1e19, np.inf, -np.inf, -1e30, 2.7], np.float32)
+    for hyb in (False, True):
+        e.hybridize(hyb)
+        np.testing.assert_array_equal(e(nd.array(idx)).asnumpy(), W[[4, 4, 4, 4, 0, 0, 2]])
+        with pytest.raises(hl.OpError, match=r"embedding: expected numbers, got nan at position \(1,\)"):
+            e(nd.array(np.array([1.0, np.nan], np.float32))).asnumpy()
+
+
 def test_ndarray_tolist_and_copy():
     x = nd.array([[1.0, 2.0], [3.0, 4.0]])
     assert x.tolist() == [[1.0, 2.0], [3.0, 4.0]] and isinstance(x.tolist()[0][0], float)

@@ -102,13 +102,13 @@ def _class_indices_kernel(labels, num_classes=None, out=None):
     return idx
 
 
-def _bad_label(labels, bad, expected):
+def _bad_label(labels, bad, expected, name="label", what="labels"):
     i = int(np.argmax(bad.reshape(-1)))
     at = np.unravel_index(i, labels.shape) if labels.ndim else ()
     v = labels.reshape(-1)[i]
     v = float(v) if labels.dtype.kind == "f" else int(v)
-    raise ValueError(f"label: expected {expected}, got {v} at position "
-                     f"{tuple(int(k) for k in at)} of the {labels.dtype} labels")
+    raise ValueError(f"{name}: expected {expected}, got {v} at position "
+                     f"{tuple(int(k) for k in at)} of the {labels.dtype} {what}")
 
 
 def _class_indices_infer(labels, num_classes=None):
@@ -507,18 +507,34 @@ def dropout(x, p=0.5, training=None):
     return apply(DROPOUT, x, p=float(p))[0]
 
 
+def _emb_indices_kernel(x, rows, out=None):
+    idx = np.empty(x.shape, np.int64) if out is None else out
+    if np.isnan(x).any():
+        _bad_label(x, np.isnan(x), "numbers", "embedding", "indices")
+    # clipped while still floats: +inf or a value beyond int64 cast to INT64_MIN (row 0)
+    np.copyto(idx, np.clip(x, -1, rows), casting="unsafe")
+    return idx
+
+
+EMB_INDICES = register("embedding_indices", _emb_indices_kernel,
+                       lambda x, rows: [(tuple(x.shape), np.dtype(np.int64))],
+                       differentiable=False, fresh=True,
+                       cost=lambda i, o, s, **a: (0.0, float(numel(i[0]) * (s + 8))))
+
+
 def embedding(indices, weight):
     """Row lookup: weight (V, D), indices (...) -> (..., D). Indices are clipped to [0, V)
     (as MXNet's Embedding); float indices (labels loaded as float32) are truncated to
-    integers, as MXNet does.
+    integers, as MXNet does (an index of inf or beyond int64 is clipped like any other).
 
     Raises:
-        ValueError: weight not 2-D.  TypeError: indices neither integers nor floats."""
+        ValueError: weight not 2-D.  TypeError: indices neither integers nor floats.
+        OpError (at the next sync point): a NaN float index."""
     if len(weight.shape) != 2:
         raise ValueError(f"embedding: weight must be 2-D (vocab, dim), got shape {weight.shape}")
     kind = np.dtype(indices.dtype).kind
     if kind == "f":
-        indices = cast(indices, "int64")
+        indices = apply(EMB_INDICES, indices, rows=int(weight.shape[0]))
     elif kind not in "iu":
         raise TypeError(f"embedding: indices must be integers (or floats holding them), got "
                         f"dtype {indices.dtype}")
