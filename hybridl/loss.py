@@ -65,6 +65,12 @@ class Loss(HybridBlock):
         self._weight, self._batch_axis = weight, int(batch_axis)
 
     def __call__(self, *args, **kwargs):
+        # pred and label given as NumPy arrays (as layers take them): made NDArrays, on
+        # pred's device when it is one (an op with no NDArray operand would refuse them)
+        if len(args) >= 2 and any(isinstance(a, (np.ndarray, np.generic)) for a in args[:2]):
+            dev = getattr(args[0], "device", None)
+            args = tuple(F.array(a, device=dev) if isinstance(a, (np.ndarray, np.generic)) else a
+                         for a in args[:2]) + tuple(args[2:])
         # the standard signature forward(pred, label, sample_weight=None): sample_weight
         # passed positionally (a hybridized call takes arrays only), dropped when None, and a
         # number or NumPy array made an NDArray; other signatures (subclasses) as they are

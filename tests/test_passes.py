@@ -622,9 +622,10 @@ def test_ops_marked_fresh_never_return_views_of_their_inputs():
     cases = {"softmax_cross_entropy": (z, lab), "class_indices": (lab.astype(np.float32),),
              "softmax_cross_entropy_grad": (np.ones(6, np.float32), z, lab),
              "softmax_cross_entropy_with_grad": (np.ones(6, np.float32), z, lab),
-             "conv2d_grad_weight": (dy, x)}
+             "conv2d_grad_weight": (dy, x), "embedding_indices": (lab.astype(np.float32),)}
     attrs = {"conv2d_grad_weight": dict(w_shape=w.shape, stride=(1, 1), padding=(0, 0),
-                                        dilation=(1, 1), groups=1, bias=True)}
+                                        dilation=(1, 1), groups=1, bias=True),
+             "embedding_indices": dict(rows=4)}
     marked = sorted(n for n, op in OPS.items() if op.fresh)
     assert set(cases) <= set(marked) and N.CLASS_INDICES.fresh
     for name in marked:

@@ -1723,6 +1723,51 @@ def test_embedding_clips_huge_and_infinite_float_indices_and_refuses_nan():
             e(nd.array(np.array([1.0, np.nan], np.float32))).asnumpy()
 
 
+def test_a_refused_first_call_leaves_deferred_shapes_open():
+    # Conv2D(groups=2) given 3 channels drew a (4, 1, 3, 3) weight before the channel check,
+    # and the layer then refused valid input for good; sizes of 0 were taken as shapes
+    conv = nn.Conv2D(4, 3, groups=2)
+    conv.initialize()
+    for C in (3, 0):
+        with pytest.raises(ValueError, match=f"channels C={C} .* positive multiple of groups=2"):
+            conv(nd.ones((1, C, 5, 5)))
+    assert conv(nd.ones((1, 4, 5, 5))).shape == (1, 4, 3, 3)
+    assert conv.weight.data().shape == conv.weight.shape == (4, 2, 3, 3)
+    d = nn.Dense(2)
+    d.initialize()
+    with pytest.raises(ValueError, match=r"cannot infer in_units from input shape \(2, 0\)"):
+        d(nd.ones((2, 0)))
+    assert d(nd.ones((2, 3))).shape == (2, 2) and d.weight.data().shape == d.weight.shape == (2, 3)
+    ln = nn.LayerNorm()
+    ln.initialize()
+    with pytest.raises(ValueError, match="size of 0"):
+        ln(nd.ones((2, 0)))
+    assert ln(nd.ones((2, 3))).shape == (2, 3)
+
+
+def test_dense_with_known_in_units_names_a_missing_batch_axis():
+    d = nn.Dense(2, in_units=3)
+    d.initialize()
+    for x in (nd.ones(3), nd.array(1.0)):
+        with pytest.raises(ValueError, match="at least 2 dimensions"):
+            d(x)
+
+
+def test_losses_take_numpy_arrays_as_layers_do():
+    p = np.array([[0.2, -1.0, 3.0], [1.0, 0.5, -0.5]], np.float32)
+    z = np.array([[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]], np.float32)
+    for L in (hl.loss.L2Loss(), hl.loss.L1Loss(), hl.loss.SigmoidBinaryCrossEntropyLoss()):
+        np.testing.assert_array_equal(L(p, z).asnumpy(), L(nd.array(p), nd.array(z)).asnumpy())
+    np.testing.assert_allclose(hl.loss.L2Loss()(p, z).asnumpy(), 0.5 * ((p - z) ** 2).mean(1))
+    sce = hl.loss.SoftmaxCrossEntropyLoss()
+    np.testing.assert_array_equal(sce(p, np.array([2, 0])).asnumpy(),
+                                  sce(nd.array(p), nd.array([2, 0])).asnumpy())
+    emb = nn.Embedding(3, 2)
+    emb.initialize()
+    with pytest.raises(TypeError, match="embedding: indices: expected an NDArray or a NumPy array, got list"):
+        emb([0, 1])
+
+
 def test_ndarray_tolist_and_copy():
     x = nd.array([[1.0, 2.0], [3.0, 4.0]])
     assert x.tolist() == [[1.0, 2.0], [3.0, 4.0]] and isinstance(x.tolist()[0][0], float)

@@ -80,14 +80,17 @@ class Dense(HybridBlock):
         object.__setattr__(self, "_known", False)
 
     def forward(self, x):
+        if len(x.shape) < (2 if self._flatten else 1):
+            raise ValueError(f"Dense: expected input of shape (N, ...) with at least 2 "
+                             f"dimensions, got shape {tuple(x.shape)} (flatten=False "
+                             f"takes (..., in_units))")
         if not (self._known or self._check_known()):
-            if len(x.shape) < (2 if self._flatten else 1):
-                raise ValueError(f"Dense: expected input of shape (N, ...) with at least 2 "
-                                 f"dimensions, got shape {tuple(x.shape)} (flatten=False "
-                                 f"takes (..., in_units))")
             in_units = 1
             for s in (x.shape[1:] if self._flatten else x.shape[-1:]):
                 in_units *= s
+            if in_units == 0:
+                raise ValueError(f"Dense: cannot infer in_units from input shape "
+                                 f"{tuple(x.shape)}: it has 0 features")
             self.weight._finish_deferred_init((self._units, in_units))
         if self._act_name == "relu":         # fused into the dense kernel
             return F.fully_connected(x, _data(self.weight, x),
@@ -158,6 +161,10 @@ class Conv2D(HybridBlock):
         if not self.weight._shape_known():
             if len(x.shape) != 4:
                 raise ValueError(f"Conv2D: expected 4-D input (N, C, H, W), got shape {x.shape}")
+            if x.shape[1] == 0 or x.shape[1] % self._groups:
+                raise ValueError(f"Conv2D: the input's channels C={x.shape[1]} (shape "
+                                 f"{tuple(x.shape)}) must be a positive multiple of "
+                                 f"groups={self._groups}")
             self.weight._finish_deferred_init((self._channels, x.shape[1] // self._groups) + self._kernel)
         fused = self._act_name == "relu"      # fused into the convolution kernel
         y = F.conv2d(x, _data(self.weight, x), None if self.bias is None else _data(self.bias, x),

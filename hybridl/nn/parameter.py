@@ -160,6 +160,10 @@ class Parameter:
         several threads make the first call at once, one draws the values and the others
         wait for them; the shape becomes known only with the values (a layer that sees the
         shape known reads the data without waiting)."""
+        if any(int(d) == 0 for d in shape):     # 0 stands for "not known yet"
+            raise ValueError(f"Parameter {self.name!r}: the input gives it shape "
+                             f"{tuple(int(d) for d in shape)}, with a size of 0 (an empty axis "
+                             f"where the layer infers its size); nothing was initialized")
         with _DEFERRED_LOCK:
             new = self._compatible(shape)
             if self._deferred is not None and self._data is None:

@@ -532,6 +532,9 @@ def embedding(indices, weight):
         OpError (at the next sync point): a NaN float index."""
     if len(weight.shape) != 2:
         raise ValueError(f"embedding: weight must be 2-D (vocab, dim), got shape {weight.shape}")
+    if not hasattr(indices, "dtype") or not hasattr(indices, "shape"):
+        raise TypeError(f"embedding: indices: expected an NDArray or a NumPy array, got "
+                        f"{type(indices).__name__}")
     kind = np.dtype(indices.dtype).kind
     if kind == "f":
         indices = apply(EMB_INDICES, indices, rows=int(weight.shape[0]))
