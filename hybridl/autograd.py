@@ -287,6 +287,7 @@ def _run_backward(heads, head_grads, retain_graph, create_graph, wanted=None):
         if h._ag is None and h._grad_req != "null":
             leaves[id(h)] = h
     groups = {}                # gradients made by the same op are bound by one assign op
+    noted = {}                 # device -> accumulated (buffer, gradient) pairs
     for k, x in leaves.items():
         g = grads.get(k)
         if g is None or x._grad is None:
@@ -298,18 +299,23 @@ def _run_backward(heads, head_grads, retain_graph, create_graph, wanted=None):
             # accumulated by ONE op that reads and writes .grad (an add op and an assign op
             # let another thread's backward land in between and be lost); a micro-batch whose
             # gradient failed leaves the sum of the others (skip_clean), as with the naive
-            # engine, where its backward raised before this
+            # engine, where its backward raised before this, and fails the buffer's status
+            # (_note_failures)
             x._grad._fresh = True
             x._grad._inplace(M.add, g, priority=1, skip_clean=True)
+            noted.setdefault(x._grad.device, []).append((x._grad, g))
             continue
         if add:
             g = M.add(x._grad, g)
         x._grad._fresh = True
         if not plain:
             x._grad._assign(g, skip_clean=add)
+            if add:
+                noted.setdefault(x._grad.device, []).append((x._grad, g))
             continue
         if add:
             x._grad._assign(g, priority=1, skip_clean=True)
+            noted.setdefault(x._grad.device, []).append((x._grad, g))
             continue
         # above compute (priority 1): a gradient is bound as soon as the op that makes it has
         # run, so its allreduce (kvstore 'dist'/'device') can start while backward of earlier
@@ -321,7 +327,29 @@ def _run_backward(heads, head_grads, retain_graph, create_graph, wanted=None):
             pairs[0][0]._assign(pairs[0][1], priority=1)
         else:
             nd.assign_many(pairs, priority=1)
+    for dev, pairs in noted.items():
+        _note_failures(dev, pairs)
     return None
+
+
+def _note_failures(device, pairs):
+    """Accumulating gradient buffers keep their values when a micro-batch's gradient failed
+    (the others' sum stays usable); their status Vars take that error instead (one op per
+    device and backward: a failed gradient fails them all), so that the Trainer skips a
+    step that contains the failure (see Trainer.step). ``pairs``: (buffer, gradient)."""
+    from . import engine as _engine
+    sts = []
+    for buf, _ in pairs:
+        st = getattr(buf, "_status", None)
+        if st is None:
+            st = buf._status = _engine.Var("grad_status")
+        sts.append(st)
+    _engine.push(_nothing, [g._var for _, g in pairs] + sts, sts, device, 1, name="grad_status",
+                 pure=True)
+
+
+def _nothing():
+    pass
 
 
 def backward(heads, head_grads=None, retain_graph=False):

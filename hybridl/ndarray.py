@@ -40,7 +40,9 @@ class NDArray:
     """
 
     __slots__ = ("_var", "_data", "shape", "dtype", "device", "_ag", "_grad", "_grad_req",
-                 "_fresh", "_version", "__weakref__")
+                 "_fresh", "_version", "_status", "__weakref__")
+    # (_status, set on an accumulating gradient buffer only: a Var that takes the error of a
+    # micro-batch whose gradient failed, see autograd.backward and Trainer.step)
     __array_priority__ = 1000.0       # numpy_scalar + NDArray -> NDArray.__radd__
 
     def __init__(self, shape, dtype, device, data=None):

@@ -312,6 +312,81 @@ def test_a_failed_batch_skips_one_update_and_training_goes_on(engine):
     np.testing.assert_array_equal(o1, o0)
 
 
+@pytest.mark.parametrize("engine", ["threaded", "naive"])
+@pytest.mark.parametrize("ndev", [1, 2])
+def test_a_failed_batch_with_accumulated_gradients_skips_its_update(engine, ndev):
+    """grad_req='add' (gradient accumulation; every Pipeline): a batch that fails on one
+    device must not update the weights either. Its failed accumulation used to leave the
+    buffer clean, so the threaded engine's step applied what the buffer held (zeros moved by
+    momentum; on 2 devices the other device's gradient, to every replica). [good, failed,
+    good, good] equals [good, good, good] bit for bit, under both engines; zero_grad only
+    after a good batch (the buffer keeps the failed step's other contributions, as naive)."""
+    def run(labels_seq):
+        with hl.engine.set_engine(engine):
+            hl.random.seed(0)
+            devs = [hl.cpu(i) for i in range(ndev)]
+            net = hl.nn.Dense(3, in_units=6)
+            net.initialize(device=devs)
+            for p in net.collect_params().values():
+                p.grad_req = "add"
+            trainer = hl.Trainer(net.collect_params(), "sgd",
+                                 {"learning_rate": 0.1, "momentum": 0.9})
+            loss_fn = hl.loss.SoftmaxCrossEntropyLoss()
+            x = np.random.default_rng(0).random((4, 6)).astype(np.float32)
+            failed = 0
+            for labels in labels_seq:
+                xs = hl.parallel.split_and_load(x, devs)
+                ys = hl.parallel.split_and_load(np.array(labels, np.float32), devs)
+                try:
+                    with autograd.record():
+                        losses = [loss_fn(net(a), b) for a, b in zip(xs, ys)]
+                    autograd.backward(losses)
+                    trainer.step(4)
+                    for loss in losses:
+                        loss.asnumpy()
+                except hl.OpError:
+                    failed += 1
+                    try:
+                        hl.waitall()
+                    except hl.OpError:
+                        pass
+                    continue
+                net.collect_params().zero_grad()
+            return failed, [p.data(d).asnumpy() for p in net.collect_params().values()
+                            for d in devs]
+    good = [0.0, 1.0, 2.0, 0.0]
+    f1, w1 = run([good, [0.0, 1.0, 2.0, 7.0], good, good])    # label 7: the last device's
+    f0, w0 = run([good, good, good])
+    assert (f1, f0) == (1, 0)
+    for a, b in zip(w1, w0):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_freezing_a_parameter_after_making_the_trainer_on_several_devices():
+    # grad_req='null' set after the Trainer was made: not updated, the others train, on two
+    # devices as on one (allreduce_grads asked the frozen parameter for its gradient: crash)
+    def run(devs, kvstore="device"):
+        hl.random.seed(0)
+        net = hl.nn.HybridSequential()
+        net.add(hl.nn.Dense(4, in_units=3), hl.nn.Dense(2, in_units=4))
+        net.initialize(device=devs)
+        tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore=kvstore)
+        w0 = net[0].weight.data().asnumpy()
+        net[0].weight.grad_req = "null"
+        xs = hl.parallel.split_and_load(np.arange(12, dtype=np.float32).reshape(4, 3) / 10, devs)
+        with autograd.record():
+            ls = [net(x).sum() for x in xs]
+        autograd.backward(ls)
+        tr.step(4)
+        np.testing.assert_array_equal(net[0].weight.data(devs[-1]).asnumpy(), w0)
+        return [p.data(d).asnumpy() for p in net.collect_params().values() for d in devs]
+    one = run([hl.cpu(0)], None)
+    two = run([hl.cpu(0), hl.cpu(1)])
+    for k in range(len(one)):
+        np.testing.assert_allclose(two[2 * k], one[k], rtol=1e-6)
+        np.testing.assert_array_equal(two[2 * k], two[2 * k + 1])
+
+
 def _train_once(net, loss_fn, trainer, step, x, y):
     """One training step: ``step(x, y)`` (a TrainStep) when given, else the Gluon loop
     (record, backward, ``trainer.step``). Returns the loss, not waited for."""

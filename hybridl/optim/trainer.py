@@ -1,4 +1,5 @@
 """Trainer: applies an optimizer to a set of Parameters (MXNet Gluon's Trainer)."""
+import functools
 import json
 import numbers
 import warnings
@@ -39,6 +40,18 @@ def _check_kvstore(kvstore):
                                            if kvstore.startswith("dist") else ""))
     raise TypeError(f"kvstore: expected None, a name {list(_KV_NAMES)} or a KVStore, got "
                     f"{type(kvstore).__name__} {kvstore!r}")
+
+
+def _keep_values():
+    """The kernel of an op that marks its writes usable, values unchanged."""
+
+
+def _drop_failed_step(bufs, vs):
+    """When a gradient buffer or status of ``bufs`` (their Vars ``vs``) failed this step, zero
+    every buffer (the op then clears the errors); otherwise leave them as they are."""
+    if any(v.exc is not None for v in vs):
+        for g in bufs:
+            g._data = np.zeros(g.shape, g.dtype)
 
 
 class Trainer:
@@ -167,6 +180,14 @@ class Trainer:
         for i in reversed(range(n)):          # last layers first, at the highest priority: their
             # gradients are ready first, while backward of earlier layers is still running
             p = self._params[i]
+            if p.grad_req == "null":        # frozen after the Trainer was made: not updated
+                if ranks:                   # (the ranks' buckets would wait for it forever)
+                    raise RuntimeError(
+                        f"Trainer.step: parameter {p.name!r} has grad_req='null' but this "
+                        f"Trainer (kvstore {self._kv_spec!r}) was made when it had a gradient; "
+                        f"with several processes make a new Trainer (on every rank) after "
+                        f"freezing parameters")
+                continue
             grads = p.list_grad()
             if len(grads) > 1 or ranks:
                 fresh = [getattr(g, "_fresh", True) for g in grads]
@@ -260,12 +281,47 @@ class Trainer:
                           f"them, create a new Trainer now that they are unfrozen",
                           UserWarning, stacklevel=2)
         self._ignore_stale = ignore_stale_grad
+        accum = self._gate_accumulated()
         self.allreduce_grads(_batch=batch_size)
         self.update(batch_size)
+        if accum:
+            self._drop_failed_accumulation(accum)
         # an error no sync point raised (a failing op on the gradients of an earlier step: its
         # update was skipped, the weights stay usable) is raised here rather than going
         # unnoticed; after this step's update was pushed, so no good step is lost to it
         _engine.get_engine().raise_unreported()
+
+    def _gate_accumulated(self):
+        """grad_req='add' buffers: a micro-batch whose gradient failed left a buffer's values
+        (the good micro-batches' sum) and failed its status Var (autograd.backward). A
+        failure the program has seen (raised at a sync point before this step: it caught it
+        and went on) is cleared, and the step applies the good sum; an unseen one fails the
+        buffers' Vars, so that this step's update is skipped (the naive engine raised in that
+        micro-batch's forward or backward, before the step). Returns the buffers."""
+        bufs = [w.grad for p in self._params if p.grad_req == "add"
+                for w in p.list_data() if w.grad is not None]
+        gated = [g for g in bufs if getattr(g, "_status", None) is not None]
+        if not gated:
+            return bufs
+        seen = [g._status for g in gated if g._status.exc is not None and g._status.exc.reported]
+        if seen:
+            _engine.push(_keep_values, [], seen, gated[0].device, name="keep_accumulated")
+        by_dev = {}
+        for g in gated:
+            by_dev.setdefault(g.device, []).append(g)
+        for d, gs in by_dev.items():
+            _engine.push(_keep_values, [g._status for g in gs], [g._var for g in gs], d,
+                         name="gate_accumulated", priority=1 << 20)
+        return bufs
+
+    def _drop_failed_accumulation(self, bufs):
+        """After an update skipped for a failed micro-batch: drop the step as a whole, every
+        accumulating buffer zeroed (on every device: they hold the step's other
+        contributions) and usable again, its status cleared; as if the step had not run."""
+        vs = [g._var for g in bufs] + [g._status for g in bufs
+                                       if getattr(g, "_status", None) is not None]
+        _engine.push(functools.partial(_drop_failed_step, bufs, vs), vs, vs, bufs[0].device,
+                     name="drop_failed_accumulation", meta={"runs_on_failed_input": True})
 
     def update(self, batch_size):
         """Apply the optimizer (no gradient aggregation)."""
