@@ -256,6 +256,46 @@ def test_sync_batch_norm_errors():
             bn(hl.nd.ones((2, 3)))
 
 
+@threaded_only
+def test_sync_batch_norm_wait_between_replica_calls_fails_soon(monkeypatch):
+    """Reading device 0's result before calling device 1's replica can never end (the gate
+    needs device 1, which this waiting thread would push): a clear error after a few
+    seconds, not SYNC_TIMEOUT_S (120 s) naming the wrong cause; replicas called from two
+    threads, one reading its result while the other is still on its way, still meet."""
+    import time
+    from hybridl.parallel import sync_bn
+    monkeypatch.setattr(sync_bn, "SYNC_TIMEOUT_S", 60.0)
+    monkeypatch.setattr(sync_bn, "_STUCK_S", 0.5)
+    bn = nn.SyncBatchNorm()
+    bn.initialize(device=devs(2))
+    xs = split_and_load(np.arange(12, dtype=np.float32).reshape(4, 3), devs(2))
+    t0 = time.perf_counter()
+    with autograd.record():
+        y0 = bn(xs[0])
+        with pytest.raises(hl.OpError, match="waits for a result .* before those of the other 1 of 2"):
+            y0.sum().item()
+    assert time.perf_counter() - t0 < 10
+    with pytest.raises(hl.OpError):
+        hl.waitall()
+    out = [None, None]
+
+    def run(i):
+        if i == 1:
+            time.sleep(0.3)         # device 0's thread is already waiting for its result
+        with autograd.record():
+            out[i] = bn(xs[i]).asnumpy()
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    want = nn.BatchNorm()
+    want.initialize()
+    with autograd.record():
+        ref = want(hl.nd.array(np.arange(12, dtype=np.float32).reshape(4, 3))).asnumpy()
+    np.testing.assert_allclose(np.concatenate(out), ref, rtol=1e-5, atol=1e-6)
+
+
 def _sync_bn_net(devices):
     hl.random.seed(7)
     net = nn.Sequential()

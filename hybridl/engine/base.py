@@ -92,6 +92,11 @@ def _interrupted(e):
     return isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread()
 
 
+# Threads blocked in wait_for (the op they wait for) or waitall (None): read by ops that wait
+# for other pushes of a thread (SyncBatchNorm's gates), to tell a wait that can never end
+WAITING = {}
+_get_ident = threading.get_ident
+
 # Training steps seen by Engine.raise_unreported (Trainer.step, TrainStep calls): an op's
 # error is raised there only from the step after the one that pushed it
 _EPOCH = [0]
@@ -337,7 +342,12 @@ class Engine:
         w = var._writer
         if w is not None:
             if not w.done:
-                self._wait_op(w)
+                tid = _get_ident()
+                WAITING[tid] = w
+                try:
+                    self._wait_op(w)
+                finally:
+                    WAITING.pop(tid, None)
             elif w is self._fresh:
                 self._waited_done(w)
         if var.exc is not None:
@@ -375,7 +385,12 @@ class Engine:
             OpError: an op failed since the previous ``waitall()``.
         """
         self._flush_bulk()
-        self._wait_all()
+        tid = _get_ident()
+        WAITING[tid] = None
+        try:
+            self._wait_all()
+        finally:
+            WAITING.pop(tid, None)
         with self._err_lock:
             errs, self._errors = self._errors, []
         if errs:

@@ -30,7 +30,9 @@ single worker per device cannot deadlock), ops of other layers keep running, and
 in the order they were created because a layer's statistics only depend on earlier layers,
 whose gates were created earlier. The backward pass forms its groups the same way, one per
 forward group. A gate whose group never completes (a device skipped) fails after
-``SYNC_TIMEOUT_S`` seconds with an error naming the devices that did not arrive; a failed input
+``SYNC_TIMEOUT_S`` seconds with an error naming the devices that did not arrive (after 3 s when
+every thread that called a replica of the step is waiting for a result that needs the gate,
+e.g. ``loss.item()`` between two replica calls: that wait could never end); a failed input
 fails the gate at once.
 
 Across processes (``hl.distributed`` initialized with several ranks): each group's gate is
@@ -49,12 +51,36 @@ import numpy as np
 
 from .. import autograd
 from .. import engine as _engine
+from ..engine import base as _engine_base
 from ..engine import Var
 from ..nn.layers import BatchNorm
 
 __all__ = ["SyncBatchNorm", "SYNC_TIMEOUT_S"]
 
 SYNC_TIMEOUT_S = 120.0
+# a group still missing devices while every thread that joined it has been waiting this long
+# (seconds) for a result that depends on it fails then, not after SYNC_TIMEOUT_S: a program
+# that calls the replicas from one thread can never complete it. (Replicas called from
+# several threads: another thread may still be on its way, hence not at once.)
+_STUCK_S = 3.0
+
+
+def _depends_on(op, *gates):
+    """Whether the pending op ``op`` reads one of the Vars ``gates``, directly or through
+    the pending ops that write what it reads (a best-effort walk of another thread's ops)."""
+    seen, stack = set(), [op]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or getattr(o, "done", True):
+            continue
+        seen.add(id(o))
+        for v in o.reads or ():
+            if any(v is g for g in gates):
+                return True
+            w = v._writer
+            if w is not None:
+                stack.append(w)
+    return False
 _QUEUE = ("sync", "batch_norm")
 _LAYER_LOCK = threading.Lock()      # choosing a layer's group and joining it are one step
 
@@ -68,6 +94,7 @@ class _Group:
         self.partials = {}          # member index -> tuple of NumPy arrays
         self.failed = False         # timed out or abandoned: the next step starts a new group
         self.inputs = []            # Vars whose failure must open (and fail) the gate
+        self.threads = set()        # the threads that joined (called a replica)
         self.lock = threading.Lock()
         self.event = threading.Event()
         self.error = None
@@ -77,6 +104,7 @@ class _Group:
         self.channels = None
         _engine.push(self._wait, [], [self.gate], _QUEUE, 0, f"sync_bn.{what}.gate")
         dist = _dist_state()
+        self.local_gate = self.gate
         if dist is not None:        # several processes: sum the partial sums over the ranks too
             from ..distributed._backend import push_collective
             local_gate, self.gate = self.gate, Var(f"sync_bn.{what}.gate_global")
@@ -87,6 +115,7 @@ class _Group:
         """Add ``device``'s member (caller holds the layer's lock); its index. ``channels``:
         C, the length of the per-channel sums (each partial is (C,), (C,) and a count)."""
         self.devices.append(device)
+        self.threads.add(threading.get_ident())
         self.inputs.extend(input_vars)
         self.channels = channels
         return len(self.devices) - 1
@@ -125,6 +154,15 @@ class _Group:
                     self.failed = True
                     raise RuntimeError(f"SyncBatchNorm {self.what}: an input of a device failed; "
                                        f"see the original error") from v.exc
+            if waited >= _STUCK_S and len(self.devices) < self.k and self._callers_stuck():
+                self.failed = True
+                raise RuntimeError(
+                    f"SyncBatchNorm {self.what}: the program waits for a result (loss.item(), "
+                    f"asnumpy(), wait_to_read(), hl.waitall() ...) after calling the replica "
+                    f"of {self.devices} and before those of the other "
+                    f"{self.k - len(self.devices)} of {self.k} devices: that wait cannot end "
+                    f"(the statistics need every device); call every device's replica first, "
+                    f"then read the results")
             if waited >= SYNC_TIMEOUT_S:
                 self.failed = True
                 arrived = sorted(self.devices[i] for i in self.partials)
@@ -135,6 +173,18 @@ class _Group:
                     f"each step, and not inside hl.engine.bulk")
         if self.error is not None:
             raise self.error
+
+    def _callers_stuck(self):
+        """Every thread that joined is blocked in a wait that depends on this gate (walked
+        through the pending ops it waits for): none of them can call the missing replicas."""
+        waiting = _engine_base.WAITING
+        for t in list(self.threads):
+            if t not in waiting:
+                return False
+            op = waiting.get(t)
+            if op is not None and not _depends_on(op, self.gate, self.local_gate):
+                return False
+        return bool(self.threads)
 
     def local_totals(self):
         # summed in device order, not in the order the devices joined (threads may call the
