@@ -347,6 +347,26 @@ def test_tracing_error_in_jit():
         f(nd.ones((2,)))
 
 
+def test_device_copies_in_traced_code_are_a_tracing_error():
+    # x.copyto(dev) / x.to(dev) / hl.parallel.transfer and tensor-parallel layers inside a
+    # hybridized block used to fail with "'Symbol' object has no attribute 'copyto'"
+    from hybridl.parallel import ColumnParallelDense
+    for move in (lambda x: x.to(hl.cpu(1)), lambda x: x.copyto(hl.cpu(1)),
+                 lambda x: hl.parallel.transfer(x, hl.cpu(1))):
+        f = hl.jit(lambda x, move=move: move(x) * 2)
+        with pytest.raises(hl.TracingError, match="copy between devices while hybridizing"):
+            f(nd.ones((2,)))
+    net = nn.HybridSequential()
+    net.add(nn.Dense(6, in_units=8), ColumnParallelDense(4, [hl.cpu(0), hl.cpu(1)]))
+    net.initialize()
+    eager = net(nd.ones((2, 8))).asnumpy()
+    net.hybridize()
+    with pytest.raises(hl.TracingError, match="test_hybridize.py.*leave the block that moves"):
+        net(nd.ones((2, 8)))
+    net.hybridize(False)
+    np.testing.assert_array_equal(net(nd.ones((2, 8))).asnumpy(), eager)
+
+
 # ---------------------------------------------------------------------------- aliasing, updates
 
 

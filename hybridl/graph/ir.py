@@ -121,6 +121,18 @@ class Symbol:
     def copy(self):
         return M.identity(self)
 
+    def copyto(self, other):
+        raise TracingError(
+            f"copyto()/to(): a copy between devices while hybridizing, at {_user_site()}. A "
+            f"compiled program runs on the device of its inputs: hybridize the blocks on each "
+            f"side of the copy instead, and leave the block that moves data between devices "
+            f"imperative (tensor-parallel layers, hl.parallel.transfer, SyncBatchNorm).")
+
+    def to(self, device):
+        self.copyto(device)
+
+    as_in_device = to
+
     def wait_to_read(self):
         self._no_value("wait_to_read()")
 
