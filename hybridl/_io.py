@@ -9,9 +9,12 @@ it points to is replaced. Temporary names are unique (``tempfile.mkstemp``), so 
 processes saving to the same path never write into one temporary file; the last rename wins,
 and each file under the name is whole. Within one process the renames of one call are not
 interleaved with another call's: a set of files (a graph and its parameters) comes from one
-writer (between processes, the last rename of each file wins).
+writer (between processes, the last rename of each file wins). A target that exists and is not
+a regular file (a FIFO, a device such as /dev/null) is written into, never replaced.
 """
 import os
+import shutil
+import stat
 import tempfile
 import threading
 
@@ -103,7 +106,12 @@ def atomic_write_all(items):
     tmps = []
     try:
         for (path, write), d in zip(items, dirs):
-            fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=d)
+            try:
+                fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                                           dir=d)
+            except OSError as e:            # name the user's file, not the temporary one
+                raise type(e)(e.errno, f"cannot write {path!r}: cannot create a file in "
+                                       f"{d!r} ({e.strerror})") from None
             os.close(fd)
             tmps.append((path, tmp))
             try:
@@ -125,13 +133,27 @@ def atomic_write_all(items):
             os.chmod(tmp, mode)
         with _RENAMES:      # one writer's set at a time: two threads exporting to one
             for path, tmp in tmps:      # prefix leave one export's pair, not a mix
-                os.replace(tmp, path)
+                if _special(path):      # a FIFO or a device (/dev/null): written into, never
+                    with open(tmp, "rb") as src, open(path, "wb") as dst:   # replaced
+                        shutil.copyfileobj(src, dst)
+                else:
+                    os.replace(tmp, path)
         for d in set(dirs):                 # the renames themselves, on disk
             _fsync(d, directory=True)
     finally:
         for _, tmp in tmps:
             if os.path.exists(tmp):
                 os.remove(tmp)
+
+
+def _special(path):
+    """An existing target that is not a regular file (a FIFO, a character or block device
+    such as /dev/null, a socket): renaming over it would replace the special file itself."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
 
 
 def _fsync(path, directory=False):

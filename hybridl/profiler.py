@@ -350,10 +350,11 @@ class Profile:
         chrome://tracing. Returns ``path``.
 
         Raises:
-            OSError: the folder does not exist or is not writable.
+            TypeError: ``path`` is not a file path.  OSError: the folder does not exist or is
+            not writable.
         """
-        from ._io import atomic_write
-        path = os.fspath(path)
+        from ._io import atomic_write, check_path
+        path = check_path(path, "export_chrome_trace: path")
         data = self.chrome_trace()
 
         def write(tmp):

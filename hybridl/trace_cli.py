@@ -70,13 +70,13 @@ def _trace(args):
         raise ValueError(f"--device: tracing records one device, got {len(devices)}; "
                          f"pass --device cpu:0")
     args.epochs = 1                 # (only the defaults of _setup need it)
-    from ._io import _check_target  # fail before training, not after
+    from ._io import _check_target, resolve  # fail before training, not after
     from .train_cli import _probe_write
-    try:
-        _check_target(args.out)
+    try:                            # (through a link: where its target would be written)
+        _check_target(resolve(args.out))
     except (ValueError, OSError) as e:
         raise ValueError(f"--out: {e}") from None
-    _probe_write(args.out, "--out")
+    _probe_write(resolve(args.out), "--out")
     _setup(args)
     train_set, _, size = _load_data(args)
     loader = data.DataLoader(train_set, args.batch_size, shuffle=True, seed=args.seed,

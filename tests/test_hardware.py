@@ -407,6 +407,12 @@ def test_hw_checks_json_and_plot_folders_before_measuring(capsys, tmp_path):
     for opt in ("--json", "--plot"):
         assert R.main([opt, "/proc/hw.out", "--quick"]) == 2
         assert f"{opt}: cannot write files into '/proc'" in capsys.readouterr().err
+    try:                        # a format matplotlib cannot write: refused before measuring
+        import matplotlib  # noqa: F401
+        assert R.main(["--plot", str(tmp_path / "roof.txt"), "--quick"]) == 2
+        assert "--plot: cannot write a plot as 'txt'" in capsys.readouterr().err
+    except ImportError:
+        pass
     real, link = tmp_path / "real.json", tmp_path / "link.json"
     real.write_text("{}")
     os.chmod(real, 0o644)

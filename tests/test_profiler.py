@@ -420,6 +420,12 @@ def test_trace_cli(tmp_path):
                           str(tmp_path / "no" / "t.json"), "--no-hybridize"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "--out" in bad.stderr
+    link = tmp_path / "dangling.json"                   # a link to a missing folder: refused
+    link.symlink_to(tmp_path / "nodir" / "t.json")      # before training, not after
+    bad = subprocess.run([sys.executable, "-m", "hybridl", "trace", "--out", str(link),
+                          "--no-hybridize"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and "--out: path: directory" in bad.stderr
+    assert "samples" not in bad.stdout
     bad = subprocess.run([sys.executable, "-m", "hybridl", "trace", "--steps", "0"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "--steps" in bad.stderr

@@ -1768,6 +1768,70 @@ def test_losses_take_numpy_arrays_as_layers_do():
         emb([0, 1])
 
 
+def test_symbolic_constants_are_copied_and_take_supported_dtypes():
+    # hl.sym.const kept the caller's array (results then depended on the pass list, and a
+    # returned constant output changed later) and computed in uint8/int8/float16
+    k = np.ones(3, np.float32)
+    x = hl.sym.var("x", shape=(3,))
+    c = hl.sym.const(k)
+    p_plain, p_fold = hl.compile(x + c * 2, passes=[]), hl.compile(x + c * 2)
+    p_out = hl.compile([x * 2, hl.sym.const(k)])
+    r = p_out(np.zeros(3, np.float32))
+    k[:] = 100
+    z = np.zeros(3, np.float32)
+    assert p_plain(z).tolist() == p_fold(z).tolist() == [2.0, 2.0, 2.0]
+    assert r[1].tolist() == [1.0, 1.0, 1.0] and p_out(z)[1].tolist() == [1.0, 1.0, 1.0]
+    u = hl.sym.const(np.array([200], np.uint8))
+    assert u.dtype == np.int64 and hl.compile(u + u)().tolist() == [400]
+    h = hl.sym.const(np.array([60000.0], np.float16))
+    assert hl.compile(h + h)().tolist() == [120000.0]
+    # a NumPy array a jit function closes over is read once, at tracing (as documented)
+    cl = np.ones(3, np.float32)
+    f = hl.jit(lambda a: a + cl)
+    assert f(nd.zeros(3)).tolist() == [1.0, 1.0, 1.0]
+    cl[:] = 100
+    assert f(nd.zeros(3)).tolist() == [1.0, 1.0, 1.0]
+
+
+def test_program_inputs_and_outputs_edge_cases():
+    xi = hl.sym.var("xi", shape=(2,), dtype="int64")
+    with pytest.raises(ValueError, match="int64 cannot hold"):      # uint64 wrapped silently
+        hl.compile(xi + 1)(np.array([2 ** 63, 2 ** 64 - 1], np.uint64))
+    assert hl.compile(xi + 1)(np.array([3, 4], np.uint64)).tolist() == [4, 5]
+    with pytest.raises(ValueError, match="outputs: expected at least one Symbol"):
+        hl.compile([], inputs=[hl.sym.var("x", shape=(2,))])
+    p = hl.compile(hl.sym.var("self", shape=(2,)) * 2)             # a var named self
+    assert p(self=np.ones(2, np.float32)).tolist() == [2.0, 2.0]
+    import functools                                               # callables without __name__
+
+    class Scale:
+        def __call__(self, a):
+            return a * 3
+    assert hl.jit(functools.partial(nd.multiply, 2.0))(nd.ones((2,))).tolist() == [2.0, 2.0]
+    assert hl.jit(Scale())(nd.ones((2,))).tolist() == [3.0, 3.0]
+
+
+def test_files_are_written_into_special_files_not_replaced(tmp_path):
+    # the atomic rename replaced a FIFO (and, as root, /dev/null) by a regular file
+    import stat
+    fifo = tmp_path / "trace.fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo, "rb").read()))
+    reader.start()
+    with hl.profiler.profile() as prof:
+        (nd.ones((4,)) + 1).wait_to_read()
+    prof.export_chrome_trace(fifo)
+    reader.join(10)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and got and got[0].startswith(b"{")
+    assert prof.export_chrome_trace(os.devnull) == os.devnull
+    assert stat.S_ISCHR(os.stat(os.devnull).st_mode)
+    with pytest.raises(TypeError, match="export_chrome_trace: path"):
+        prof.export_chrome_trace(None)
+    with pytest.raises(OSError, match="cannot write '/proc/t.json'"):
+        prof.export_chrome_trace("/proc/t.json")
+
+
 def test_ndarray_tolist_and_copy():
     x = nd.array([[1.0, 2.0], [3.0, 4.0]])
     assert x.tolist() == [[1.0, 2.0], [3.0, 4.0]] and isinstance(x.tolist()[0][0], float)

@@ -29,8 +29,8 @@ def compile(outputs, passes=None, inputs=None, name="program"):  # noqa: A001 - 
         Program with ``.source``, ``.graph``, ``.memory_plan``; call it with one array per input.
 
     Raises:
-        ValueError: an unknown pass name, ``passes`` not a list of names/functions, an output
-            that is not a Symbol, an input that is not a ``var`` or is listed twice, a ``var``
+        ValueError: an unknown pass name, ``passes`` not a list of names/functions, no
+            outputs, an output that is not a Symbol, an input that is not a ``var`` or is listed twice, a ``var``
             the outputs use that ``inputs`` leaves out.
     """
     if isinstance(outputs, Symbol):
@@ -41,6 +41,9 @@ def compile(outputs, passes=None, inputs=None, name="program"):  # noqa: A001 - 
         except TypeError:
             raise ValueError(f"outputs: expected a Symbol or a list of Symbols built from "
                              f"hl.sym.var inputs, got {type(outputs).__name__}") from None
+    if not outs:
+        raise ValueError("outputs: expected at least one Symbol (a program with no outputs "
+                         "computes nothing), got an empty list")
     for i, o in enumerate(outs):
         if not isinstance(o, Symbol):
             raise ValueError(f"outputs: expected Symbols built from hl.sym.var inputs; output {i} "

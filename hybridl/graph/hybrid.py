@@ -512,6 +512,8 @@ class _JitFunction:
                             f"classmethod or staticmethod put @hl.jit below that decorator")
         functools.update_wrapper(self, fn)
         self._fn = fn
+        # (a functools.partial or a callable object has no __name__)
+        self._name = getattr(fn, "__name__", None) or type(fn).__name__
         try:                                # a method called through its class: Cls.m(obj, x)
             first = None if bound else next(iter(inspect.signature(fn).parameters), None)
         except (TypeError, ValueError):
@@ -544,7 +546,7 @@ class _JitFunction:
             return self._fn(*args, **kwargs)
         static = {k: kwargs.pop(k) for k in list(kwargs) if k in self._static}
         if kwargs:
-            raise TypeError(f"{self._fn.__name__}: keyword arguments {sorted(kwargs)} are not "
+            raise TypeError(f"{self._name}: keyword arguments {sorted(kwargs)} are not "
                             f"static_argnames {self._static}; pass arrays positionally")
         try:
             sig = _signature(args)
@@ -553,7 +555,7 @@ class _JitFunction:
             hint = (f"; static arguments {list(self._static)} must be passed by keyword"
                     if self._static else "; Python values that select the program go in "
                     "static_argnames and are passed by keyword")
-            raise TypeError(f"{self._fn.__name__}: positional argument {i} must be an "
+            raise TypeError(f"{self._name}: positional argument {i} must be an "
                             f"NDArray, got {type(a).__name__}{hint}") from None
         # the value's type is part of the key: 2, 2.0 and True are equal (and hash alike) in
         # Python but may trace different programs (integer vs float arithmetic)
@@ -567,7 +569,7 @@ class _JitFunction:
             entry = cache.entries.get(sig)
         except TypeError:                   # an unhashable static value
             bad = [k for k, v in static.items() if not _hashable(_static_key(v))]
-            raise TypeError(f"{self._fn.__name__}: static argument(s) {bad} must be hashable "
+            raise TypeError(f"{self._name}: static argument(s) {bad} must be hashable "
                             f"(a number, string, tuple, ...): one program is kept per value") from None
         stale = None
         if entry is not None and sig[0][2] and entry.req_mask != _req_mask(entry.params):
@@ -585,9 +587,9 @@ class _JitFunction:
                 same = [k[0] for k in known if k[1] == sig[1]]
                 reason = (cache.reason(sig[0], same) if same or not known
                           else f"static arguments {sig[1]}")
-            cache.miss(reason, self._fn.__name__, kind=(_without_devices(sig[0]), sig[1], mask),
+            cache.miss(reason, self._name, kind=(_without_devices(sig[0]), sig[1], mask),
                        full=(sig, mask))
-            entry = _build(self._fn, args, self._fn.__name__, self._passes,
+            entry = _build(self._fn, args, self._name, self._passes,
                            [s[3] for s in sig[0][0]], static)
             entry.req_mask = _req_mask(entry.params)
             cache.add(sig, entry)

@@ -283,10 +283,18 @@ def var(name, shape=None, dtype=None):
 
 
 def const(value, dtype=None):
-    """A constant Symbol holding ``value`` (a NumPy array or a number)."""
-    a = np.asarray(value, dtype=dtype)
+    """A constant Symbol holding a copy of ``value`` (a NumPy array or a number), taken now:
+    a later change to the caller's array is not seen. Dtypes as ``hl.nd.array``: a Python
+    float is float32, other floats than float32/float64 become float32, other integers than
+    int32/int64 int64.
+
+    Raises:
+        TypeError: not numbers.  OverflowError: uint64 values beyond int64."""
+    from ..ndarray import _supported
+    a = np.array(value, dtype=dtype, copy=True)
     if a.dtype == np.float64 and dtype is None and not isinstance(value, np.ndarray):
         a = a.astype(np.float32)
+    a = _supported(a, "const")
     return Node("const", specs=[(a.shape, a.dtype)], value=a, name="const").out()
 
 

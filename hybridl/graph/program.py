@@ -102,10 +102,10 @@ class Program:
         _eager_exec(self.op, arrays, outs, self.out_specs, {}, device, self._ckey)
         return outs
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, /, *args, **kwargs):
         """Run on NDArrays (or NumPy arrays / numbers, converted), given in input order or
-        by input name (``prog(x=..., y=...)``, the names of :attr:`input_names`); returns
-        NDArray(s).
+        by input name (``prog(x=..., y=...)``, the names of :attr:`input_names`, ``self``
+        included); returns NDArray(s).
 
         Raises:
             TypeError: an unknown input name, or an input given twice or not at all.
@@ -154,6 +154,8 @@ class Program:
         with np.errstate(all="ignore"):
             c = a.astype(d)
             ok = (np.isfinite(c) | ~np.isfinite(a)) if d.kind == "f" else (c.astype(a.dtype) == a)
+            if d.kind == "i" and a.dtype.kind == "u":    # uint64 -> int64 wraps both ways
+                ok &= c >= 0
         if not np.all(ok):
             raise ValueError(f"{self.op.name}: input {i} ({self.input_names[i]}) has values that "
                              f"{d} cannot hold (given {a.dtype}); convert it explicitly")

@@ -406,6 +406,11 @@ def main(argv=None) -> int:
                 import matplotlib  # noqa: F401
             except ImportError:
                 raise _UsageError("--plot needs matplotlib: pip install -e \".[plot]\" (source checkout)")
+            from .roofline import plot_format
+            try:
+                plot_format(args.plot)
+            except ValueError as e:
+                raise _UsageError(f"--plot: {e}") from None
     except _UsageError as e:
         print(f"hybridl hw: error: {e}\n{parser.format_usage().strip()}", file=sys.stderr)
         return 2

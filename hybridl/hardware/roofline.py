@@ -9,6 +9,7 @@ compute-bound.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from ._records import check_positive_float
@@ -226,6 +227,23 @@ def plot_roofline(roof: Roofline, points=(), path: str = "roofline.png", title=N
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    from .._io import atomic_write
+    try:        # through a temporary file (format from path's extension, png without one)
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format=plot_format(path)))
+    finally:
+        plt.close(fig)
     return path
+
+
+def plot_format(path):
+    """The image format ``path``'s extension names (``png`` when it has none).
+
+    Raises:
+        ValueError: matplotlib cannot write that format."""
+    from matplotlib.figure import Figure
+    ext = os.path.splitext(str(path))[1][1:].lower() or "png"
+    kinds = Figure().canvas.get_supported_filetypes()
+    if ext not in kinds:
+        raise ValueError(f"cannot write a plot as {ext!r} ({path!r}); formats: "
+                         f"{', '.join(sorted(kinds))}")
+    return ext
