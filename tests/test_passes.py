@@ -253,6 +253,33 @@ def test_pass_keeps_meaning_on_random_graphs(pass_name, g):
 
 @SETTINGS
 @given(g=graphs())
+def test_gradient_pass_equals_eager_autograd_on_random_graphs(g):
+    """'gradient' selected by name in hl.compile: the program takes a cotangent per output
+    and returns the outputs, then d(sum(cotangent * output))/d(input) per input: equal to
+    eager autograd with those head gradients (then also with the default passes after it)."""
+    shapes, recipe, seed = g
+    vals = _inputs(shapes, seed)
+    xs = [hl.sym.var(f"x{i}", shape=s) for i, s in enumerate(shapes)]
+    outs = build(recipe, xs)
+    rng = np.random.default_rng(seed + 1)
+    cots = [rng.uniform(-1, 1, o.shape).astype(np.float32) for o in outs]
+    arrs = [nd.array(v) for v in vals]
+    for a in arrs:
+        a.attach_grad()
+    with hl.autograd.record():
+        eo = build(recipe, arrs)
+    hl.autograd.backward(eo, [nd.array(c) for c in cots])
+    want = [o.asnumpy() for o in eo] + [a.grad.asnumpy() for a in arrs]
+    for passes in (["gradient"], ["gradient"] + list(P.DEFAULT_PASSES)):
+        prog = hl.compile(outs, passes=passes, inputs=xs)
+        assert prog.input_names == [f"x{i}" for i in range(len(xs))] + [
+            f"cotangent{k}" for k in range(len(outs))]
+        got = _run(prog, vals + cots)
+        _close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@SETTINGS
+@given(g=graphs())
 def test_fuse_elementwise_keeps_meaning_on_random_graphs(g):
     shapes, recipe, seed = g
     old = hl.graph.fusion_threshold()
@@ -705,6 +732,16 @@ def test_plan_memory_outputs_are_fresh_each_call():
         for o2 in r2:
             assert not np.shares_memory(o1._data, o2._data)
     np.testing.assert_allclose(r2[0].asnumpy(), (np.e + 1) * 2 * np.ones(8), rtol=1e-6)
+
+
+def test_the_gradient_pass_is_for_hl_compile_only(fuse_all):
+    with pytest.raises(ValueError, match="'gradient' extends the program's inputs"):
+        hl.nn.Dense(2).hybridize(passes=["gradient"])
+    with pytest.raises(ValueError, match="'gradient' extends the program's inputs"):
+        hl.jit(lambda a: a * 2, passes=["gradient"])
+    x = hl.sym.var("x", shape=(3,))
+    with pytest.raises(RuntimeError, match="run .gradient. before fusion"):
+        hl.compile(nd.exp(x) * x + 1.0, passes=["fuse_elementwise", "gradient"])
 
 
 def test_unknown_pass_name():

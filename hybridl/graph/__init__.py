@@ -21,7 +21,10 @@ def compile(outputs, passes=None, inputs=None, name="program"):  # noqa: A001 - 
 
     Args:
         outputs: Symbol or list of Symbols built from ``hl.sym.var`` inputs.
-        passes: pass names (see ``hl.graph.PASSES``) or None for the defaults.
+        passes: pass names (see ``hl.graph.PASSES``) or None for the defaults. With
+            ``'gradient'`` (before ``'fuse_elementwise'``) the program also takes one
+            cotangent per float output and returns the gradients w.r.t. the float inputs
+            after the outputs.
         inputs: the input Symbols in calling order (default: every ``var`` reachable, in
             creation order).
 
@@ -65,4 +68,4 @@ def compile(outputs, passes=None, inputs=None, name="program"):  # noqa: A001 - 
     if missing:
         raise ValueError(f"inputs: the outputs depend on var(s) {missing} that are not among "
                          f"the inputs; list every var the outputs use (or leave inputs=None)")
-    return Program(Graph(inputs, outs), passes, name)
+    return Program(Graph(inputs, outs), passes, name, allow_gradient=True)

@@ -50,6 +50,8 @@ def gradient(graph, wrt=None):
     for i in wrt:
         x = graph.inputs[i]
         g = grads.get(x.key())
+        if g is not None and g.dtype != x.dtype:    # (x * a float64 constant: a float64
+            g = M.cast(g, x.dtype.name)             # gradient; eager's is x's dtype)
         gouts.append(g if g is not None else M.zeros_like_op(x))
     joint = Graph(graph.inputs + [c for c in cots if c is not None], graph.outputs + gouts)
     return joint, cots, list(wrt)
@@ -77,7 +79,12 @@ def _backward_nodes(graph, grads, active=None):
             continue
         outs = node.outputs()
         ogs = [grads.get(o.key()) for o in outs]
-        if all(g is None for g in ogs) or not node.op.differentiable:
+        if all(g is None for g in ogs):
+            continue
+        if node.op.name == "fused_elementwise":     # (not differentiable, but not zero either)
+            raise RuntimeError("gradient: the graph has fused_elementwise kernels, which have "
+                               "no gradient rule: run 'gradient' before fusion")
+        if not node.op.differentiable:
             continue
         needs = tuple(x.dtype.kind == "f" and x.node.kind != "const"
                       and (active is None or x.key() in active) for x in node.inputs)

@@ -8,9 +8,11 @@
   before the pooling gradient (on kernel*kernel times fewer elements);
 * ``fuse_elementwise`` — chains of elementwise ops with one consumer each become one numexpr
   kernel (one pass over memory) when the arrays have at least ``fusion_threshold()`` elements;
-* ``plan_memory`` — liveness analysis and buffer reuse (see :func:`plan_memory`).
+* ``plan_memory`` — liveness analysis and buffer reuse (see :func:`plan_memory`);
+* ``gradient`` — the joint forward+backward program (:func:`gradient`; ``hl.compile`` only:
+  it extends the inputs and outputs).
 
-The symbolic ``gradient`` lives in :mod:`hybridl.graph.autodiff`. Every pass keeps the graph's
+The symbolic differentiation itself lives in :mod:`hybridl.graph.autodiff`. Every pass keeps the graph's
 meaning: the tests check each on random graphs and inputs (hypothesis).
 """
 import builtins
@@ -631,6 +633,20 @@ def plan_memory(graph):
     return g
 
 
+def gradient(graph):
+    """The joint forward+backward program (:func:`hybridl.graph.autodiff.gradient`) as a pass:
+    inputs = the graph's inputs followed by one cotangent per float output; outputs = the
+    graph's outputs followed by the gradient of sum(cotangent * output) with respect to each
+    float input. Unlike the other passes it extends the graph's inputs and outputs, so it is
+    taken by :func:`hybridl.compile` only (hybridized blocks and ``@hl.jit`` build their
+    gradient programs themselves, under ``autograd.record()``); run it before
+    ``fuse_elementwise`` (a fused kernel has no gradient rule)."""
+    from .autodiff import gradient as _joint
+    return _joint(graph)[0]
+
+
+gradient.extends_signature = True
+
 PASSES = {
     "fold_constants": fold_constants,
     "simplify_algebra": simplify_algebra,
@@ -638,12 +654,13 @@ PASSES = {
     "eliminate_dead_code": eliminate_dead_code,
     "fuse_elementwise": fuse_elementwise,
     "plan_memory": plan_memory,
+    "gradient": gradient,
 }
 DEFAULT_PASSES = ("fold_constants", "simplify_algebra", "eliminate_common_subexpressions",
                   "eliminate_dead_code", "fuse_elementwise", "plan_memory")
 
 
-def check_passes(passes):
+def check_passes(passes, allow_gradient=False):
     """The passes to run, as functions (``None``: :data:`DEFAULT_PASSES`): what
     :func:`run_passes` checks, without a graph (``hybridize(passes=...)`` and
     ``hl.jit(passes=...)`` check at once rather than at the first call).
@@ -668,6 +685,10 @@ def check_passes(passes):
             p = PASSES[p]
         elif not callable(p):
             raise ValueError(f"passes: expected pass names or functions Graph -> Graph, got {p!r}")
+        if getattr(p, "extends_signature", False) and not allow_gradient:
+            raise ValueError("passes: 'gradient' extends the program's inputs and outputs (it "
+                             "is a pass of hl.compile only); hybridized blocks, @hl.jit and "
+                             "TrainStep build their gradient programs under autograd.record()")
         fns.append(p)
     return fns
 
@@ -684,18 +705,21 @@ def _check_pass_result(p, before, after):
         return [(tuple(s.shape), np.dtype(s.dtype)) for s in syms]
     for what in ("inputs", "outputs"):
         a, b = specs(getattr(before, what)), specs(getattr(after, what))
+        if getattr(p, "extends_signature", False):      # ('gradient': appends to both)
+            b = b[:len(a)]
         if a != b:
             raise ValueError(f"passes: pass {name!r} changed the graph's {what} from {a} to {b}; "
                              f"a pass must keep them (number, shapes and dtypes)")
 
 
-def run_passes(graph, passes=None):
-    """Apply passes (names or functions) in order; default :data:`DEFAULT_PASSES`.
+def run_passes(graph, passes=None, allow_gradient=False):
+    """Apply passes (names or functions) in order; default :data:`DEFAULT_PASSES`
+    (``allow_gradient``: the ``gradient`` pass is taken, see :func:`gradient`).
 
     Raises:
         ValueError: as :func:`check_passes`.
     """
-    for p in check_passes(passes):
+    for p in check_passes(passes, allow_gradient):
         plan = getattr(graph, "memory_plan", None)
         before = graph
         graph = p(graph)

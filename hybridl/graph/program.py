@@ -29,11 +29,11 @@ class Program:
         in_specs / out_specs: lists of (shape, dtype); compile_seconds (float).
     """
 
-    def __init__(self, graph, passes=None, name="program", grad=None):
+    def __init__(self, graph, passes=None, name="program", grad=None, allow_gradient=False):
         import time
         t0 = time.perf_counter()
         self.input_graph = graph
-        self.graph = run_passes(graph, passes)
+        self.graph = run_passes(graph, passes, allow_gradient)
         self.memory_plan = getattr(self.graph, "memory_plan", None)
         self.source, self._globals, self.fn, rnd = generate(self.graph, "program")
         self.in_specs = [(tuple(s.shape), s.dtype) for s in self.graph.inputs]
