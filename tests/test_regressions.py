@@ -1832,6 +1832,17 @@ def test_files_are_written_into_special_files_not_replaced(tmp_path):
         prof.export_chrome_trace("/proc/t.json")
 
 
+def test_initialize_uses_the_current_device_as_gluon():
+    net = nn.Dense(2, in_units=3)
+    with hl.cpu(1):                 # parameters went to cpu(0), arrays made here to cpu(1)
+        net.initialize()
+        y = net(nd.ones((1, 3)))
+    assert net.weight.list_device() == [hl.cpu(1)] and y.device == hl.cpu(1)
+    other = nn.Dense(2, in_units=3)
+    other.initialize()
+    assert other.weight.list_device() == [hl.cpu(0)]
+
+
 def test_ndarray_tolist_and_copy():
     x = nd.array([[1.0, 2.0], [3.0, 4.0]])
     assert x.tolist() == [[1.0, 2.0], [3.0, 4.0]] and isinstance(x.tolist()[0][0], float)

@@ -4,7 +4,7 @@ import threading
 from collections import OrderedDict
 
 from .. import init as _init
-from ..device import Device, cpu
+from ..device import Device, current_device
 from ..graph import trace as _trace
 from ..ops._util import as_dtype
 
@@ -113,7 +113,8 @@ class Parameter:
     # ------------------------------------------------------------------ initialization
     def initialize(self, init=None, device=None, default_init=None, force_reinit=False,
                    _warn=True):
-        """Allocate and fill the parameter on ``device`` (a Device or a list of Devices).
+        """Allocate and fill the parameter on ``device`` (a Device or a list of Devices;
+        default: the current device, ``cpu(0)`` outside a ``with device:`` block).
 
         The parameter's own ``init`` wins over ``init``, which wins over ``default_init``.
         When the shape is not yet known the initialization is deferred to the first forward.
@@ -296,8 +297,8 @@ def _multiplier(what, v, name):
 
 
 def _devices(device):
-    if device is None:
-        return [cpu(0)]
+    if device is None:              # the current device (``with hl.cpu(1):``), as Gluon's
+        return [current_device()]   # current context; cpu(0) outside any
     if isinstance(device, (list, tuple)):
         if not device:
             raise ValueError("device: expected at least one device, got an empty list")
