@@ -1843,6 +1843,19 @@ def test_initialize_uses_the_current_device_as_gluon():
     assert other.weight.list_device() == [hl.cpu(0)]
 
 
+def test_pooling_layers_check_their_arguments_at_construction():
+    # MaxPool2D(0) constructed fine and failed only at its first call (Conv2D checks at once)
+    for cls in (nn.MaxPool2D, nn.AvgPool2D):
+        name = cls.__name__
+        with pytest.raises(ValueError, match=f"{name}: pool_size: expected positive ints"):
+            cls(0)
+        with pytest.raises(ValueError, match=f"{name}: strides: expected positive ints"):
+            cls(2, strides=0)
+        with pytest.raises(ValueError, match=f"{name}: padding: expected 0 <= padding"):
+            cls(2, padding=2)
+        assert cls((2, 3), padding=(1, 1))(nd.ones((1, 1, 4, 5))).shape == (1, 1, 3, 2)
+
+
 def test_ndarray_tolist_and_copy():
     x = nd.array([[1.0, 2.0], [3.0, 4.0]])
     assert x.tolist() == [[1.0, 2.0], [3.0, 4.0]] and isinstance(x.tolist()[0][0], float)

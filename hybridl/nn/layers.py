@@ -181,6 +181,7 @@ class MaxPool2D(HybridBlock):
 
     def __init__(self, pool_size=2, strides=None, padding=0):
         super().__init__()
+        _check_pool("MaxPool2D", pool_size, strides, padding)
         self._args = (pool_size, strides, padding)
 
     def forward(self, x):
@@ -190,11 +191,28 @@ class MaxPool2D(HybridBlock):
         return f"pool_size={self._args[0]}, strides={self._args[1]}, padding={self._args[2]}"
 
 
+def _check_pool(layer, pool_size, strides, padding):
+    """The pooling arguments' checks (kernel and stride ints >= 1, padding in [0, kernel // 2])
+    at construction, as Conv2D does, instead of at the first call; on an input large enough
+    for any window, so only the arguments can fail.
+
+    Raises:
+        ValueError / TypeError: naming the layer and the argument."""
+    from ..kernels.pool import pool2d_output_shape
+    try:
+        pool2d_output_shape((1, 1, 1 << 30, 1 << 30), pool_size,
+                            pool_size if strides is None else strides, padding)
+    except (TypeError, ValueError) as e:
+        msg = str(e).replace("kernel:", "pool_size:", 1).replace("stride:", "strides:", 1)
+        raise type(e)(f"{layer}: {msg}") from None
+
+
 class AvgPool2D(HybridBlock):
     """2-D average pooling (stride defaults to pool_size)."""
 
     def __init__(self, pool_size=2, strides=None, padding=0, count_include_pad=True):
         super().__init__()
+        _check_pool("AvgPool2D", pool_size, strides, padding)
         self._args = (pool_size, strides, padding, count_include_pad)
 
     def forward(self, x):
