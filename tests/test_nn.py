@@ -720,6 +720,12 @@ def test_model_output_shapes():
         net = m.lenet(10, input_size=8)
         net.initialize()
         assert net(nd.ones((2, 1, 8, 8))).shape == (2, 10)
+        net = m.lenet(10, input_size=4)         # the smallest size two poolings take
+        net.initialize()
+        assert net(nd.ones((2, 1, 4, 4))).shape == (2, 10)
+        for bad in (3, 0, 8.0):                 # (3 built, then failed at the first call)
+            with pytest.raises(ValueError, match="lenet: input_size: expected an int >= 4"):
+                m.lenet(10, input_size=bad)
         net = m.resnet18(4, width=4)
         net.initialize()
         assert net(nd.ones((2, 3, 8, 8))).shape == (2, 4)

@@ -31,7 +31,13 @@ def lenet(num_classes=10, input_size=28):
     For inputs of 28x28 and up: 5x5 kernels (the first padded by 2), as in LeCun et al. 1998;
     below (e.g. the 8x8 Digits): 3x3 kernels with padding 1 so the feature maps stay >= 2x2.
     Input (N, C, H, W) with H = W = input_size; output (N, num_classes).
+
+    Raises:
+        ValueError: ``input_size`` below 4 (two 2x2 poolings need at least 4x4 inputs).
     """
+    if isinstance(input_size, bool) or not isinstance(input_size, int) or input_size < 4:
+        raise ValueError(f"lenet: input_size: expected an int >= 4 (two 2x2 poolings), got "
+                         f"{input_size!r}")
     if input_size >= 28:
         k1, p1, k2, p2 = 5, 2, 5, 0
     else:
