@@ -374,6 +374,17 @@ def test_optimizer_argument_errors():
         optim.Trainer(_param(W0), "sgd")
 
 
+def test_trainer_refuses_update_on_kvstore_and_a_shared_store():
+    with pytest.raises(ValueError, match="update_on_kvstore: expected None or False"):
+        optim.Trainer([_param(W0)], "sgd", update_on_kvstore=True)
+    optim.Trainer([_param(W0)], "sgd", update_on_kvstore=False)
+    store = hl.kv.create("device")
+    a, b = _param(W0), _param(W0)
+    optim.Trainer([a], "sgd", kvstore=store).step(1)
+    with pytest.raises(ValueError, match="this KVStore object already holds keys"):
+        optim.Trainer([b], "sgd", kvstore=store).step(1)
+
+
 def test_learning_rate_alias_lr():
     # lr is an alias of learning_rate: either gives the rate; both with different values are
     # refused (lr used to win silently); the defaults stay the class's

@@ -296,6 +296,26 @@ def test_sync_batch_norm_wait_between_replica_calls_fails_soon(monkeypatch):
     np.testing.assert_allclose(np.concatenate(out), ref, rtol=1e-5, atol=1e-6)
 
 
+def test_data_parallel_gathers_each_output_of_a_tuple():
+    # a network returning (logits, features) crashed in transfer ('tuple' has no 'device')
+    class Two(nn.HybridBlock):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Dense(3, in_units=4), nn.Dense(2, in_units=4)
+
+        def forward(self, x):
+            return self.a(x), self.b(x)
+    net = Two()
+    net.initialize(device=devs(2))
+    x = np.arange(20, dtype=np.float32).reshape(5, 4) / 10
+    got = hl.parallel.DataParallel(net, devs(2))(hl.nd.array(x))
+    want = net(hl.nd.array(x))
+    assert isinstance(got, tuple) and len(got) == 2
+    for g, w in zip(got, want):
+        assert g.device == hl.cpu(0)
+        np.testing.assert_allclose(g.asnumpy(), w.asnumpy(), rtol=1e-6)
+
+
 def _sync_bn_net(devices):
     hl.random.seed(7)
     net = nn.Sequential()
@@ -765,6 +785,24 @@ def test_pipeline_with_a_frozen_first_stage_trains_the_rest():
             loss.backward()
         grads.append(s[1].weight.grad(s[1].weight.list_device()[0]).asnumpy())
     np.testing.assert_allclose(grads[1], grads[0], rtol=1e-5, atol=1e-7)
+
+
+def test_pipeline_refuses_a_loss_that_is_not_per_sample_before_any_backward():
+    # a mean loss failed in concat only after every backward had accumulated gradients
+    x = np.random.default_rng(0).random((4, 5)).astype("float32")
+    y = np.array([0, 1, 2, 3], np.float32)
+    s = [nn.Dense(8, in_units=5), nn.Dense(10, in_units=8)]
+    p = Pipeline(s, [hl.cpu(0), hl.cpu(1)], 2)
+    p.initialize()
+    lf = hl.loss.SoftmaxCrossEntropyLoss()
+    with pytest.raises(ValueError, match=r"per-sample losses \(shape \(2,\).*got shape \(\)"):
+        p.forward_backward(x, y, lambda o, t: lf(o, t).mean())
+    hl.waitall()
+    for b in s:
+        for q in b.collect_params().values():
+            assert not q.grad(q.list_device()[0]).asnumpy().any()     # no backward ran
+    losses, _ = p.forward_backward(x, y, lf)
+    assert losses.shape == (4,)
 
 
 def test_data_parallel_refuses_an_idle_device_when_sync_batch_norm_waits_for_all():

@@ -62,13 +62,20 @@ class Trainer:
     KVStore (``kvstore='device'`` ring allreduce or ``'local'``; default 'device' when there
     is more than one device; ``'dist'`` across processes), so every copy takes the same update.
 
+    ``update_on_kvstore``: None or False (MXNet's option; the update always runs on each
+    device after the aggregation, never inside the store).
+
     Raises:
         TypeError: ``params`` is not a ParameterDict, dict or list of Parameters.
-        ValueError: unknown optimizer.
+        ValueError: unknown optimizer; ``update_on_kvstore=True``.
     """
 
     def __init__(self, params, optimizer="sgd", optimizer_params=None, kvstore=None,
                  update_on_kvstore=None):
+        if update_on_kvstore not in (None, False):
+            raise ValueError(f"update_on_kvstore: expected None or False (updates run on each "
+                             f"device after the gradients are aggregated, not in the store), "
+                             f"got {update_on_kvstore!r}")
         if isinstance(params, dict):
             plist = list(params.values())
         elif isinstance(params, (list, tuple)):
@@ -154,7 +161,16 @@ class Trainer:
             spec = "device"
         self._kv = spec if not isinstance(spec, str) else kv.create(spec)
         if self._params:            # all keys in one call: a 'dist' store checks them at once
-            self._kv.init(list(range(len(self._params))), [p.list_data() for p in self._params])
+            try:
+                self._kv.init(list(range(len(self._params))),
+                              [p.list_data() for p in self._params])
+            except ValueError as e:
+                if "already initialized" not in str(e):
+                    raise
+                raise ValueError(f"Trainer: kvstore: this KVStore object already holds keys "
+                                 f"(another Trainer uses it: the keys are the parameter "
+                                 f"indices 0..{len(self._params) - 1}); give each Trainer its "
+                                 f"own store, e.g. kvstore='device' ({e})") from None
 
     def allreduce_grads(self, _batch=None):
         """Sum each parameter's gradients over its device copies (and processes), in place.

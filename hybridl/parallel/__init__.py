@@ -176,7 +176,8 @@ class DataParallel:
     over ``devices`` (:func:`split_and_load`, ``even_split=False``), runs ``net`` on each slice
     (one replica per device: initialize ``net`` with ``device=devices``), and gathers the outputs
     on ``devices[0]`` (concatenated along axis 0, gradients flowing back through
-    :func:`transfer`).
+    :func:`transfer`; a network returning a tuple or list of arrays gives a tuple or list of
+    gathered arrays).
 
     With ``hl.Trainer(net.collect_params(), ..., kvstore='device')`` each replica's gradient is
     all-reduced before the update, so every copy takes the same step: training equals
@@ -220,6 +221,12 @@ class DataParallel:
         xs = split_and_load(x, self.devices[:k], even_split=False)
         outs = [self.net(a) for a in xs]
         home = self.devices[0]
+        if isinstance(outs[0], (tuple, list)):  # several outputs: each gathered on its own
+            if any(not isinstance(o, (tuple, list)) or len(o) != len(outs[0]) for o in outs):
+                raise TypeError("DataParallel: the network returned outputs of different "
+                                "structure on different devices")
+            return type(outs[0])(concat(*[transfer(o[j], home) for o in outs], axis=0)
+                                 for j in range(len(outs[0])))
         return concat(*[transfer(o, home) for o in outs], axis=0)
 
     forward = __call__

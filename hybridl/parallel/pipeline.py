@@ -308,7 +308,14 @@ class Pipeline:
         with autograd.record():
             o = self.stages[s](a)
             if s == len(self.stages) - 1:
-                losses[j] = loss_fn(o, ys[j])
+                loss = loss_fn(o, ys[j])
+                if not len(getattr(loss, "shape", ())) or loss.shape[0] != o.shape[0]:
+                    raise ValueError(   # (found now, before any backward ran, not at the end)
+                        f"Pipeline: loss_fn must return per-sample losses (shape ({o.shape[0]},) "
+                        f"for a micro-batch of {o.shape[0]}), got shape "
+                        f"{tuple(getattr(loss, 'shape', ()))}; return the losses before any "
+                        f"mean or sum")
+                losses[j] = loss
         out[s][j] = o
 
     def _bwd(self, s, j, inp, out, losses):
