@@ -1856,6 +1856,20 @@ def test_pooling_layers_check_their_arguments_at_construction():
         assert cls((2, 3), padding=(1, 1))(nd.ones((1, 1, 4, 5))).shape == (1, 1, 3, 2)
 
 
+def test_embedding_takes_the_initializer_given_to_initialize():
+    # its own "uniform" used to beat initialize(init), unlike Dense (and Gluon's Embedding)
+    e = nn.Embedding(4, 3)
+    e.initialize(hl.init.Constant(5.0))
+    assert (e.weight.data().asnumpy() == 5.0).all()
+    e = nn.Embedding(4, 3)
+    e.initialize()
+    w = e.weight.data().asnumpy()
+    assert np.abs(w).max() <= 0.07 and w.std() > 0     # uniform by default, as before
+    e = nn.Embedding(4, 3, weight_initializer=hl.init.One())
+    e.initialize(hl.init.Constant(5.0))
+    assert (e.weight.data().asnumpy() == 1.0).all()
+
+
 def test_ndarray_tolist_and_copy():
     x = nd.array([[1.0, 2.0], [3.0, 4.0]])
     assert x.tolist() == [[1.0, 2.0], [3.0, 4.0]] and isinstance(x.tolist()[0][0], float)

@@ -10,6 +10,7 @@ import numbers
 import numpy as np
 
 from .. import autograd
+from .. import init as _init
 from .. import nd as F
 from ..kernels._check import is_int as _is_int
 from ..kernels._check import pair
@@ -406,6 +407,8 @@ class Embedding(HybridBlock):
     index is truncated toward zero, as MXNet's ``Embedding`` casts it: 1.7 reads row 1).
     Indices outside [0, input_dim) are clipped into it (MXNet's ``Embedding``; PyTorch raises
     instead): -1 reads row 0, input_dim reads the last row, and their gradients go there.
+    The weight's initializer: ``weight_initializer``, else the one given to ``initialize()``,
+    else uniform in [-0.07, 0.07] (Gluon's).
 
     Raises:
         ValueError: input_dim or output_dim not an integer >= 1."""
@@ -414,8 +417,9 @@ class Embedding(HybridBlock):
         super().__init__()
         _pos_int(input_dim, "input_dim", "Embedding")
         _pos_int(output_dim, "output_dim", "Embedding")
-        self.weight = Parameter("weight", (input_dim, output_dim), dtype,
-                                weight_initializer or "uniform")
+        # weight_initializer, else initialize()'s init, else uniform (Gluon's Embedding)
+        self.weight = Parameter("weight", (input_dim, output_dim), dtype, weight_initializer)
+        self.weight.fallback_init = _init.create("uniform")
 
     def forward(self, x):
         return F.embedding(x, _data(self.weight, x))

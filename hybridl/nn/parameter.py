@@ -47,6 +47,9 @@ class Parameter:
         self._shape = None if shape is None else tuple(int(s) for s in shape)
         self.dtype = as_dtype(dtype)
         self.init = _init.create(init)
+        # the layer's choice when neither the parameter nor initialize() names one (before
+        # Xavier): Embedding's uniform, as Gluon's global default, which initialize(init) beats
+        self.fallback_init = None
         if grad_req not in ("write", "add", "null"):
             raise ValueError(f"grad_req: expected 'write', 'add' or 'null', got {grad_req!r}")
         self._grad_req = grad_req if differentiable else "null"
@@ -129,7 +132,8 @@ class Parameter:
                               f"again", RuntimeWarning, stacklevel=2)
             return
         devices = _devices(device)
-        chosen = self.init or _init.create(init) or _init.create(default_init) or _init.Xavier()
+        chosen = (self.init or _init.create(init) or _init.create(default_init)
+                  or self.fallback_init or _init.Xavier())
         if not self._shape_known():
             if not self.allow_deferred_init:
                 raise ValueError(f"Parameter {self.name!r}: shape {self._shape} is unknown and "
