@@ -17,6 +17,14 @@ EPOCH_RE = re.compile(r"^epoch\s+(\d+)\s+loss ([\d.]+)\s+train acc ([\d.]+)\s+te
 DONE_RE = re.compile(r"^done: (\S+) test accuracy ([\d.]+) after (\d+) epoch", re.M)
 
 
+def _clear_errors():
+    """hl.waitall() once more after a failed batch: it reports the error again (and clears it)."""
+    try:
+        hl.waitall()
+    except hl.OpError:
+        pass
+
+
 def _env():
     env = dict(os.environ)
     env.pop("HYBRIDL_ENGINE", None)
@@ -297,10 +305,7 @@ def test_a_failed_batch_skips_one_update_and_training_goes_on(engine):
                 except hl.OpError as e:
                     assert "whole numbers" in str(e)
                     failed += 1
-                    try:
-                        hl.waitall()            # the error is reported once more here
-                    except hl.OpError:
-                        pass
+                    _clear_errors()            # the error is reported once more here
             out = net(x).asnumpy()             # inference works after the failure
             return failed, [p.data().asnumpy() for p in net.collect_params().values()], out
     good = [0.0, 1.0, 2.0, 0.0]
@@ -346,10 +351,7 @@ def test_a_failed_batch_with_accumulated_gradients_skips_its_update(engine, ndev
                         loss.asnumpy()
                 except hl.OpError:
                     failed += 1
-                    try:
-                        hl.waitall()
-                    except hl.OpError:
-                        pass
+                    _clear_errors()
                     continue
                 net.collect_params().zero_grad()
             return failed, [p.data(d).asnumpy() for p in net.collect_params().values()
@@ -611,10 +613,7 @@ def test_a_batch_from_a_failed_op_leaves_weights_and_statistics_as_they_were(mod
                 _train_once(net, loss_fn, trainer, step, x, y).asnumpy()
             except hl.OpError:
                 failed += 1
-                try:
-                    hl.waitall()
-                except hl.OpError:
-                    pass
+                _clear_errors()
         out = net(data).asnumpy()                          # inference works afterwards
         return failed, {k: p.data().asnumpy() for k, p in net.collect_params().items()}, out
     f1, v1, o1 = run(bad_at=1)
@@ -654,10 +653,7 @@ def test_a_hybridized_forward_that_fails_leaves_batch_norm_statistics_as_they_we
                     res.append(float(net(x, hl.nd.array(labels)).asnumpy().sum()))
             except hl.OpError:
                 res.append("failed")
-                try:
-                    hl.waitall()
-                except hl.OpError:
-                    pass
+                _clear_errors()
         stats = {k: p.data().asnumpy() for k, p in net.collect_params().items() if "running" in k}
         return res, stats
     good = np.array([0, 1, 2, 3, 0, 1], np.float32)
@@ -718,10 +714,7 @@ def test_gradient_accumulation_keeps_the_good_micro_batches_of_a_failed_one(engi
                     loss.asnumpy()
                 except hl.OpError:
                     pass
-            try:
-                hl.waitall()
-            except hl.OpError:
-                pass
+            _clear_errors()
             trainer.step(4 * 2)
             return [p.data().asnumpy() for p in net.collect_params().values()]
     good = [0.0, 1.0, 2.0, 0.0]
