@@ -409,3 +409,97 @@ def test_train_step_without_fused_updates_is_bit_identical_to_the_loop():
     for n, v in _params(net).items():
         np.testing.assert_array_equal(v, ref[1][n], err_msg=n)
     assert step.last_program.graph.count("gemm_update") == 0
+
+
+class _TwoHeads(nn.HybridBlock):
+    """A main head the loss uses, an auxiliary one it leaves out, a layer behind
+    stop_gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Dense(5, in_units=4)
+        self.main = nn.Dense(3, in_units=5)
+        self.aux = nn.Dense(2, in_units=4)
+
+    def forward(self, x):
+        return self.main(nd.stop_gradient(self.body(x))), self.aux(x)
+
+
+@pytest.mark.parametrize("mode", ["hybridized", "compiled"])
+def test_parameters_without_a_gradient_are_not_updated_as_in_eager(mode):
+    """An auxiliary head the loss leaves out, and a layer behind stop_gradient: eager
+    backward gives them no gradient and the Trainer skips them (with its warning); the
+    hybridized loop and TrainStep gave them zeros, and weight decay / momentum moved them."""
+    import warnings
+
+    def run(how):
+        hl.random.seed(0)
+        net = _TwoHeads()
+        net.initialize()
+        if how == "hybridized":
+            net.hybridize()
+        tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9,
+                                                      "wd": 0.1})
+        lf = hl.loss.SoftmaxCrossEntropyLoss()
+        step = hl.TrainStep(net, lambda out, y: lf(out[0], y), tr, fuse_updates=False) \
+            if how == "compiled" else None
+        x = nd.array(np.arange(8, dtype=np.float32).reshape(2, 4) / 8)
+        y = nd.array(np.array([0.0, 2.0], np.float32))
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                if step is not None:
+                    step(x, y).asnumpy()
+                    continue
+                with autograd.record():
+                    loss = lf(net(x)[0], y)
+                loss.backward()
+                tr.step(2)
+        return {k: p.data().asnumpy() for k, p in net.collect_params().items()}, w
+    want, _ = run("eager")
+    got, w = run(mode)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    hl.random.seed(0)
+    fresh = _TwoHeads()
+    fresh.initialize()
+    for k in ("body.weight", "aux.weight", "aux.bias"):
+        np.testing.assert_array_equal(got[k], fresh.collect_params()[k].data().asnumpy())
+    assert any("aux.weight" in str(m.message) and "body.weight" in str(m.message) for m in w)
+
+
+def test_threads_making_their_first_train_step_share_one_optimizer_state():
+    # Trainer._state checked, then created: two threads' first steps could each make one and
+    # lose the other's update count and moments
+    import threading
+    import time
+    net = nn.Dense(4, in_units=3)
+    net.initialize()
+    tr = hl.Trainer(net.collect_params(), "adam", {"learning_rate": 0.1})
+    step = hl.TrainStep(net, hl.loss.SoftmaxCrossEntropyLoss(), tr)
+    make = tr.optimizer.create_state
+    tr.optimizer.create_state = lambda w: (time.sleep(0.05), make(w))[1]     # a slow allocation
+    x, y = nd.ones((2, 3)), nd.array(np.array([0.0, 1.0], np.float32))
+    bar = threading.Barrier(2)
+
+    def work():
+        bar.wait()
+        step(x, y).asnumpy()
+    ts = [threading.Thread(target=work) for _ in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    hl.waitall()
+    assert [s["t"] for s in tr._states.values()] == [2, 2]
+
+
+def test_train_step_warns_about_a_parameter_unfrozen_after_the_trainer_was_made():
+    net = nn.Dense(2, in_units=3)
+    net.initialize()
+    net.weight.grad_req = "null"
+    tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+    net.weight.grad_req = "write"
+    step = hl.TrainStep(net, hl.loss.SoftmaxCrossEntropyLoss(), tr)
+    with pytest.warns(UserWarning, match=r"TrainStep: parameters \['weight'\] had grad_req='null'"):
+        step(nd.ones((2, 3)), nd.array(np.array([0.0, 1.0], np.float32)))

@@ -16,11 +16,13 @@ from ..ops import math as M
 from ..ops.registry import GradCtx
 from .ir import Graph, Node, Symbol, rebuild
 
-__all__ = ["gradient", "split_forward_backward"]
+__all__ = ["gradient", "split_forward_backward", "cotangent_deps"]
 
 
 def gradient(graph, wrt=None):
-    """The joint forward+backward graph (see module docstring).
+    """The joint forward+backward graph (see module docstring). ``joint.no_grad`` lists the
+    positions in ``wrt`` of the inputs with no differentiable path to an output (their
+    gradient outputs are zeros; eager autograd gives them none).
 
     Args:
         graph: a Graph.
@@ -46,14 +48,17 @@ def gradient(graph, wrt=None):
     # form (conv2d's bias gradient as a separate sum), another rounding than eager backward's
     with autograd._Scope(False, None):
         _backward_nodes(graph, grads, _active(graph, wrt))
-    gouts = []
-    for i in wrt:
+    gouts, no_grad = [], []
+    for k, i in enumerate(wrt):
         x = graph.inputs[i]
         g = grads.get(x.key())
+        if g is None:       # no differentiable path to an output (unused, or behind
+            no_grad.append(k)   # stop_gradient): zeros here; eager autograd writes nothing
         if g is not None and g.dtype != x.dtype:    # (x * a float64 constant: a float64
             g = M.cast(g, x.dtype.name)             # gradient; eager's is x's dtype)
         gouts.append(g if g is not None else M.zeros_like_op(x))
     joint = Graph(graph.inputs + [c for c in cots if c is not None], graph.outputs + gouts)
+    joint.no_grad = no_grad
     return joint, cots, list(wrt)
 
 
@@ -163,3 +168,19 @@ def split_forward_backward(joint, n_primal_inputs, n_outputs):
 
 
 _ = (rebuild, Symbol)
+
+
+def cotangent_deps(bwd, n_cot):
+    """For each output of the backward graph ``bwd`` (its last ``n_cot`` inputs are the
+    cotangents), the frozenset of cotangent positions it depends on: a gradient whose
+    cotangents all got no gradient in a call (their outputs unused by the loss) is no
+    gradient at all, as in eager autograd, where backward never reaches that path."""
+    first = len(bwd.inputs) - n_cot
+    deps = {s.key(): frozenset((k,)) for k, s in enumerate(bwd.inputs[first:])}
+    for n in bwd.nodes:
+        if n.kind != "op":
+            continue
+        d = frozenset().union(*(deps.get(x.key(), frozenset()) for x in n.inputs))
+        for o in n.outputs():
+            deps[o.key()] = d
+    return [deps.get(o.key(), frozenset()) for o in bwd.outputs]

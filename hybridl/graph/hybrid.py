@@ -22,7 +22,7 @@ from ..ndarray import NDArray, _eager_exec
 from ..ops import math as M
 from ..ops.dispatch import apply
 from . import trace as _trace
-from .autodiff import gradient, split_forward_backward
+from .autodiff import cotangent_deps, gradient, split_forward_backward
 from .ir import Graph, Node, Symbol, TracingError
 from .program import Program
 
@@ -182,12 +182,19 @@ def _build_programs(inputs, outs, single, ctx, args, name, passes, want_grad_dat
         prog = Program(Graph(inputs, outs + side_vals), passes, name)
         return _Compiled(prog, len(outs), single, side_params, params)
     joint, cots, wrt = gradient(Graph(inputs, outs), wrt)
+    # inputs with no differentiable path to an output get no gradient, as in eager autograd
+    # (a parameter of an unused head, or behind stop_gradient: its .grad is not written, and
+    # the Trainer skips it with its stale-gradient warning instead of applying zeros)
+    dead = {wrt[k] for k in joint.no_grad}
     fwd_g, bwd_g, res_spec = split_forward_backward(joint, len(inputs), len(outs))
     fwd_g = Graph(fwd_g.inputs, fwd_g.outputs + side_vals)
     bwd = Program(bwd_g, passes, name + ".backward")
     n_user, n_in = len(outs), len(inputs)
     float_out = [c is not None for c in cots]
     bop = bwd.op
+    # per gradient, the outputs (cotangent positions) it comes from: when none of them got a
+    # gradient in a call (e.g. an auxiliary head the loss leaves out), neither does the input
+    deps = cotangent_deps(bwd_g, sum(float_out))
 
     def grad(c, *ogs):
         if autograd.is_recording():
@@ -197,22 +204,25 @@ def _build_programs(inputs, outs, single, ctx, args, name, passes, want_grad_dat
                 f"second-order gradients (create_graph=True) through the hybridized block "
                 f"{name!r} are not supported: its backward is a compiled program; call "
                 f"hybridize(False) on it for higher-order gradients")
-        cot = []
+        cot, live = [], set()
         for k in range(n_user):
             if not float_out[k]:
                 continue
             g = ogs[k]
             if g is None:
                 g = M.zeros_like_op(c.outputs[k])
-            elif g.dtype != c.outputs[k].dtype:     # a later layer of another float type
-                g = g.astype(c.outputs[k].dtype)
+            else:
+                live.add(len(cot))
+                if g.dtype != c.outputs[k].dtype:   # a later layer of another float type
+                    g = g.astype(c.outputs[k].dtype)
             cot.append(g)
         res = [c.inputs[i] if kind == "input" else c.outputs[i] for kind, i in res_spec]
         gs = apply(bop, *res, *cot)
         gs = gs if isinstance(gs, tuple) else (gs,)
         full = [None] * n_in
         for k, idx in enumerate(wrt):
-            full[idx] = gs[k]
+            if idx not in dead and not deps[k].isdisjoint(live):
+                full[idx] = gs[k]
         return tuple(full)
 
     prog = Program(fwd_g, passes, name, grad=grad)

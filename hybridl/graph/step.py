@@ -28,7 +28,15 @@ Adam moments, update counts; ``trainer.save_states`` works), ``trainer.set_learn
 the same order. Results equal the loop's bit for bit, except that a plain-SGD weight whose
 gradient GEMM and update are fused (``fuse_updates=True``, the default: one BLAS ``gemm`` with
 ``beta``, whose rounding differs in the last bit) agrees to float rounding (tests: float32,
-rtol 1e-5); ``fuse_updates=False`` gives the loop's bits.
+rtol 1e-5); ``fuse_updates=False`` gives the loop's bits. One difference on a failed batch
+(e.g. a label out of range): the step is one program, so none of it is kept -- weights,
+optimizer states and BatchNorm running statistics stay as they were (its random draws are
+used up, as the loop's) -- while the loop keeps the running statistics of the forward that
+ran before its loss failed.
+
+Parameters the loss does not depend on (an auxiliary head left out of it, a layer behind
+``stop_gradient``) get no gradient and are not updated, as in the loop (a RuntimeWarning
+names them when the step is compiled).
 """
 import itertools
 import warnings
@@ -424,6 +432,7 @@ class TrainStep:
             raise ValueError(f"loss_fn: expected a float loss, got dtype {loss.dtype}")
         params = ctx.params
         tr = self.trainer
+        tr._warn_unfrozen("TrainStep", 4)
         index = {}
         for i, p in enumerate(tr._params):     # a parameter listed twice: its first entry,
             index.setdefault(id(p), i)          # as the loop's state
@@ -447,20 +456,28 @@ class TrainStep:
                           f"and are never updated", RuntimeWarning, stacklevel=3)
         side_params, side_vals = _last_writes(ctx)
         joint, cots, wrt = gradient(Graph(inputs, [loss]), wrt)
+        dead = set(joint.no_grad)       # no differentiable path to the loss: not updated,
+        if dead:                        # as the loop's Trainer skips a stale gradient
+            names = [params[wrt[k] - n_data].name for k in sorted(dead)]
+            warnings.warn(f"TrainStep: parameters {names} get no gradient from the loss "
+                          f"(unused by it, or behind stop_gradient) and are not updated",
+                          RuntimeWarning, stacklevel=3)
+        live = [k for k in range(len(wrt)) if k not in dead]
         # the head gradient of loss.backward() is ones: a constant the passes can fold
         ones = const(np.ones(loss.shape, loss.dtype))
-        hp = Node("input", specs=[((max(len(wrt), 1), _HP), np.float64)], name="hyperparams").out()
+        hp = Node("input", specs=[((max(len(live), 1), _HP), np.float64)], name="hyperparams").out()
         extra = side_vals + ([net_out] if self._return_outputs else [])
         g, extra = _substitute(joint, inputs + [hp], {cots[0].key(): ones}, extra)
         side_vals, out_vals = extra[:len(side_vals)], extra[len(side_vals):]
         grads = g.outputs[1:]
         e = _Entry()
         upd, tokens = [], []
-        for k, (i, gsym) in enumerate(zip(wrt, grads)):
+        for slot, k in enumerate(live):
+            i, gsym = wrt[k], grads[k]
             p = params[i - n_data]
             upd.append(p)
             node = Node("op", _UPDATE, [inputs[i], gsym, hp],
-                        {"slot": k, "step": e, "scratch": False}, [((), np.float32)],
+                        {"slot": slot, "step": e, "scratch": False}, [((), np.float32)],
                         f"update {p.name}")
             tokens.append(node.out())
         graph = Graph(inputs + [hp], [g.outputs[0]] + tokens + side_vals + out_vals)

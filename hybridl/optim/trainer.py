@@ -2,6 +2,7 @@
 import functools
 import json
 import numbers
+import threading
 import warnings
 
 import numpy as np
@@ -40,6 +41,9 @@ def _check_kvstore(kvstore):
                                            if kvstore.startswith("dist") else ""))
     raise TypeError(f"kvstore: expected None, a name {list(_KV_NAMES)} or a KVStore, got "
                     f"{type(kvstore).__name__} {kvstore!r}")
+
+
+_STATE_LOCK = threading.Lock()      # creating an optimizer state (Trainer._state)
 
 
 def _keep_values():
@@ -145,8 +149,12 @@ class Trainer:
     def _state(self, key, weight):
         st = self._states.get(key)
         if st is None:
-            st = self._states[key] = {"t": 0, "arrays": self._optimizer.create_state(weight),
-                                      "var": Var("optimizer_state")}
+            with _STATE_LOCK:       # two threads' first steps (TrainStep called from several
+                st = self._states.get(key)      # threads) must share one state, not each
+                if st is None:                  # make one and lose the other's updates
+                    st = self._states[key] = {"t": 0,
+                                              "arrays": self._optimizer.create_state(weight),
+                                              "var": Var("optimizer_state")}
         return st
 
     def _init_kvstore(self):
@@ -289,13 +297,7 @@ class Trainer:
                 leaves the weights as they were.
         """
         check_batch_size(batch_size)
-        if not self._warned_unfrozen and any(p.grad_req != "null" for p in self._frozen):
-            self._warned_unfrozen = True
-            names = [p.name for p in self._frozen if p.grad_req != "null"]
-            warnings.warn(f"Trainer.step: parameters {names} had grad_req='null' when this "
-                          f"Trainer was created and this Trainer does not update them; to train "
-                          f"them, create a new Trainer now that they are unfrozen",
-                          UserWarning, stacklevel=2)
+        self._warn_unfrozen("Trainer.step", 3)
         self._ignore_stale = ignore_stale_grad
         accum = self._gate_accumulated()
         self.allreduce_grads(_batch=batch_size)
@@ -306,6 +308,17 @@ class Trainer:
         # update was skipped, the weights stay usable) is raised here rather than going
         # unnoticed; after this step's update was pushed, so no good step is lost to it
         _engine.get_engine().raise_unreported()
+
+    def _warn_unfrozen(self, who, stacklevel):
+        """Warn once that parameters frozen when this Trainer was made and unfrozen since are
+        not trained by it."""
+        if not self._warned_unfrozen and any(p.grad_req != "null" for p in self._frozen):
+            self._warned_unfrozen = True
+            names = [p.name for p in self._frozen if p.grad_req != "null"]
+            warnings.warn(f"{who}: parameters {names} had grad_req='null' when this "
+                          f"Trainer was created and this Trainer does not update them; to train "
+                          f"them, create a new Trainer now that they are unfrozen",
+                          UserWarning, stacklevel=stacklevel)
 
     def _gate_accumulated(self):
         """grad_req='add' buffers: a micro-batch whose gradient failed left a buffer's values
