@@ -401,6 +401,63 @@ def test_mismatched_collective_fails_on_every_rank(tmp_path):
     assert dt < 30
 
 
+_INIT = """
+import sys
+import numpy as np
+import hybridl as hl
+from hybridl import autograd, distributed as dist, nn
+
+mode = sys.argv[1]
+rank, size = dist.init()
+hl.random.seed(rank if mode != "deferred_seeded" else 0)    # unseeded-like: per-rank values
+net = nn.HybridSequential()
+if mode == "frozen":
+    net.add(nn.Dense(8, in_units=4), nn.BatchNorm(in_channels=8), nn.Dense(2, in_units=8))
+    net.initialize()
+    net[0].weight.grad_req = "null"                 # a frozen feature extractor
+    if rank == 0:                                   # statistics loaded on rank 0 only
+        net[1].running_mean.set_data(np.full(8, 5.0, np.float32))
+else:
+    net.add(nn.Dense(3), nn.Dense(2))               # shapes deferred
+    net.initialize()
+tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore="dist")
+x = hl.nd.array(np.arange(8, dtype=np.float32).reshape(2, 4) / 8)
+try:
+    with autograd.record():
+        loss = net(x).sum()
+    loss.backward()
+    tr.step(2)
+except dist.DistributedError as e:
+    print(f"rank {rank} error: {e}", flush=True)
+    sys.exit(3)
+with autograd.predict_mode():
+    out = net(x)
+same = [bool((p.data() == dist.broadcast(p.data())).asnumpy().all())
+        for p in net.collect_params().values()]
+print(f"rank {rank} same {all(same)} out {out.asnumpy().sum():.6f}", flush=True)
+"""
+
+
+@mpi
+@pytest.mark.parametrize("mode", ["frozen", "deferred", "deferred_seeded"])
+def test_every_value_starts_as_rank_0s_or_the_first_step_says_why_not(tmp_path, mode):
+    """kvstore 'dist': frozen parameters and BatchNorm statistics were never broadcast (ranks
+    initialized differently kept different frozen layers, a checkpoint loaded on rank 0 only
+    kept its statistics there); with deferred shapes the broadcast came after the first
+    forward, whose gradients came from each rank's own weights (0.5 off, silently): now an
+    error on every rank, unless the ranks' values were equal anyway."""
+    script = _script(tmp_path, "init.py", _INIT)
+    out, _ = _mpirun([sys.executable, script, mode])
+    if mode == "deferred":
+        assert out.returncode != 0
+        assert out.stdout.count("parameter values differ at the first step") == 2, out.stdout
+        return
+    assert out.returncode == 0, out.stderr
+    lines = sorted(l for l in out.stdout.splitlines() if " same " in l)
+    assert len(lines) == 2 and all(" same True " in l for l in lines), out.stdout
+    assert lines[0].split(" out ")[1] == lines[1].split(" out ")[1]     # the same predictions
+
+
 @mpi
 def test_dead_rank_ends_the_job(tmp_path):
     script = _script(tmp_path, "fail.py", _FAIL)

@@ -185,6 +185,19 @@ class DistKVStore(KVStore):
             v0 = vals[0]
             self._store[k] = {v0.device: v0.copyto(v0.device)}
 
+    def broadcast_values(self, named, root=0):
+        """Overwrite values with rank ``root``'s, without registering them as keys (the Trainer
+        uses it for frozen parameters and BatchNorm running statistics, which are never
+        reduced). ``named``: (name, NDArray or list of device copies) pairs, the same names,
+        shapes and dtypes on every rank.
+
+        Raises:
+            DistributedError: the ranks' names/shapes/dtypes differ (on every rank)."""
+        pairs = [(k, self._list(v, "value")) for k, v in named]
+        self._check_signature([(k, vals[0].shape, vals[0].dtype) for k, vals in pairs])
+        if self._st.size > 1 and pairs:
+            self._broadcast(pairs, root)
+
     def _check_signature(self, sig):
         st = self._st
         if st.size == 1:

@@ -157,7 +157,13 @@ class Trainer:
                                               "var": Var("optimizer_state")}
         return st
 
-    def _init_kvstore(self):
+    def _init_kvstore(self, first_step=False):
+        """Make the kvstore and register the parameters. A 'dist' store broadcasts rank 0's
+        values: at construction when every parameter has its shape; else at the first step
+        (``first_step``), after a forward already used each rank's own values -- so the
+        ranks' trained values are compared first, and differing ones raise."""
+        if first_step and _is_dist(self._kv_spec) and self._params:
+            self._check_same_values()
         self._kv_ready = True
         self._kv_devices = [tuple(p.list_device()) for p in self._params]
         multi = any(len(p.list_device()) > 1 for p in self._params)
@@ -179,6 +185,41 @@ class Trainer:
                                  f"(another Trainer uses it: the keys are the parameter "
                                  f"indices 0..{len(self._params) - 1}); give each Trainer its "
                                  f"own store, e.g. kvstore='device' ({e})") from None
+        # frozen parameters and BatchNorm running statistics (grad_req='null': no keys, never
+        # reduced) get rank 0's values too, as PyTorch DDP broadcasts parameters and buffers
+        rest = [p for p in self._frozen if p._data is not None]
+        if rest and hasattr(self._kv, "broadcast_values"):
+            self._kv.broadcast_values([(p.name, p.list_data()) for p in rest])
+
+    def _check_same_values(self):
+        """Every rank's trainable values equal rank 0's (one small collective: a checksum),
+        else DistributedError on every rank: the first step's gradients came from different
+        models and no broadcast now can repair it."""
+        import zlib
+
+        from ..distributed import _backend
+        vals = [p.list_data()[0] for p in self._params]
+        box = {}
+
+        def check(comm):
+            h = 0
+            for v in vals:
+                h = zlib.crc32(np.ascontiguousarray(v._data).view(np.uint8), h)
+            buf = np.array([h, -h], dtype=np.int64)
+            comm.Allreduce(_backend.state.mpi.IN_PLACE, buf, op=_backend.state.mpi.MAX)
+            box["same"] = bool(buf[0] == h and buf[1] == -h)
+        done = Var("trainer.check_values")
+        _backend.push_collective(check, [v._var for v in vals], [done],
+                                 "trainer.check_initial_values", 16)
+        _engine.wait_for(done)
+        if not box["same"]:
+            raise _backend.DistributedError(
+                "kvstore 'dist': the ranks' parameter values differ at the first step: the "
+                "Trainer was made while parameters still had deferred shapes, so rank 0's values "
+                "could not be broadcast before the first forward, and each rank's first "
+                "gradients came from its own weights. Run one forward before making the "
+                "Trainer (e.g. with autograd.predict_mode(): net(x)), or give every rank the "
+                "same seed (hl.random.seed(0)) and the same checkpoint")
 
     def allreduce_grads(self, _batch=None):
         """Sum each parameter's gradients over its device copies (and processes), in place.
@@ -189,7 +230,7 @@ class Trainer:
         own accumulated sum (reduced in place, the next step would add the previous sum once
         per device), and the update uses the reduced one."""
         if not self._kv_ready:
-            self._init_kvstore()
+            self._init_kvstore(first_step=True)
         elif [tuple(p.list_device()) for p in self._params] != self._kv_devices:
             self._devices_changed()
         self._reduced = {}
