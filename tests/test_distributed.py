@@ -99,13 +99,25 @@ def test_dist_kvstore_interface():
     assert [b["keys"] for b in kv.buckets] == [[1, 0]]
     with pytest.raises(ValueError, match="dist_async"):
         hl.kv.create("dist_async")
-    with pytest.raises(ValueError, match="bucket_mb"):
-        dist.DistKVStore(bucket_mb=0)
+    for bad in (0, float("inf")):           # (inf: an OverflowError traceback)
+        with pytest.raises(ValueError, match="bucket_mb"):
+            dist.DistKVStore(bucket_mb=bad)
 
 
-def test_launch_errors(capsys):
+def test_launch_errors(capsys, monkeypatch):
     assert launch_main(["-n", "2", "--mpiexec", "/nonexistent/mpiexec", "--", "true"]) == 127
+    assert "--mpiexec: no such program: '/nonexistent/mpiexec'" in capsys.readouterr().err
+    monkeypatch.setattr("hybridl.distributed.launch.find_mpiexec", lambda explicit=None: None)
+    assert launch_main(["-n", "2", "--", "true"]) == 127
     assert "mpiexec not found" in capsys.readouterr().err
+    monkeypatch.undo()
+    for bad in ("0", "0.05", "inf", "nan"):
+        assert launch_main(["-n", "2", "--timeout", bad, "--", "true"]) == 2
+        assert "--timeout: expected seconds, a finite number >= 0.1" in capsys.readouterr().err
+    # --dry-run prints the environment the run would set too
+    assert launch_main(["-n", "2", "--mpiexec", sys.executable, "--timeout", "5", "--dry-run",
+                        "--", "python", "x.py"]) == 0
+    assert capsys.readouterr().out.split()[0] == "HYBRIDL_DIST_TIMEOUT=5"
     assert launch_main(["-n", "2"]) == 2
     assert "no command" in capsys.readouterr().err
     assert launch_main(["-n", "0", "--", "true"]) == 2
@@ -119,8 +131,9 @@ def test_timeout_setting():
     try:
         dist.set_timeout(5)
         assert dist.get_timeout() == 5.0
-        with pytest.raises(ValueError, match="positive"):
-            dist.set_timeout(0)
+        for bad in (0, 1e-300, float("inf"), "x"):
+            with pytest.raises(ValueError, match="a finite number >= 0.1"):
+                dist.set_timeout(bad)
     finally:
         dist.set_timeout(old)
 
@@ -428,13 +441,13 @@ try:
     loss.backward()
     tr.step(2)
 except dist.DistributedError as e:
-    print(f"rank {rank} error: {e}", flush=True)
+    open(sys.argv[2] + f"{rank}.txt", "w").write(f"error: {e}")   # (printed lines interleave)
     sys.exit(3)
 with autograd.predict_mode():
     out = net(x)
 same = [bool((p.data() == dist.broadcast(p.data())).asnumpy().all())
         for p in net.collect_params().values()]
-print(f"rank {rank} same {all(same)} out {out.asnumpy().sum():.6f}", flush=True)
+open(sys.argv[2] + f"{rank}.txt", "w").write(f"same {all(same)} out {out.asnumpy().sum():.6f}")
 """
 
 
@@ -447,15 +460,15 @@ def test_every_value_starts_as_rank_0s_or_the_first_step_says_why_not(tmp_path, 
     forward, whose gradients came from each rank's own weights (0.5 off, silently): now an
     error on every rank, unless the ranks' values were equal anyway."""
     script = _script(tmp_path, "init.py", _INIT)
-    out, _ = _mpirun([sys.executable, script, mode])
+    out, _ = _mpirun([sys.executable, script, mode, str(tmp_path / "rank")])
+    res = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
     if mode == "deferred":
         assert out.returncode != 0
-        assert out.stdout.count("parameter values differ at the first step") == 2, out.stdout
+        assert all("parameter values differ at the first step" in t for t in res), res
         return
     assert out.returncode == 0, out.stderr
-    lines = sorted(l for l in out.stdout.splitlines() if " same " in l)
-    assert len(lines) == 2 and all(" same True " in l for l in lines), out.stdout
-    assert lines[0].split(" out ")[1] == lines[1].split(" out ")[1]     # the same predictions
+    assert all(t.startswith("same True ") for t in res), res
+    assert res[0] == res[1]                         # the same predictions
 
 
 @mpi

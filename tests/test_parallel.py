@@ -254,6 +254,10 @@ def test_sync_batch_norm_errors():
     with hl.engine.set_engine("naive"):
         with autograd.record(), pytest.raises(RuntimeError, match="threaded engine"):
             bn(hl.nd.ones((2, 3)))
+        one = nn.SyncBatchNorm()            # one device (one per MPI rank): waited 120 s
+        one.initialize()
+        with autograd.record(), pytest.raises(RuntimeError, match="threaded engine"):
+            one(hl.nd.ones((2, 3)))
 
 
 @threaded_only

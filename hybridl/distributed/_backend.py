@@ -66,17 +66,28 @@ class _State:
         self.failed_input = None    # the running collective's failed input (see push_collective)
 
 
+MIN_TIMEOUT = 0.1
+
+
+def check_seconds(value, what):
+    """``value`` as a collective timeout in seconds: a finite number >= MIN_TIMEOUT (the
+    watchdog polls every timeout / 8 s; inf would never fire, 1e-300 abort every collective).
+
+    Raises:
+        ValueError: naming ``what``."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        v = None
+    if v is None or not MIN_TIMEOUT <= v < float("inf"):
+        raise ValueError(f"{what}: expected seconds, a finite number >= {MIN_TIMEOUT}, got "
+                         f"{value!r}")
+    return v
+
+
 def _env_timeout():
     s = os.environ.get("HYBRIDL_DIST_TIMEOUT", "").strip()
-    if not s:
-        return 60.0
-    try:
-        v = float(s)
-    except ValueError:
-        raise ValueError(f"HYBRIDL_DIST_TIMEOUT: expected seconds (a positive number), got {s!r}") from None
-    if not v > 0:
-        raise ValueError(f"HYBRIDL_DIST_TIMEOUT: expected seconds (a positive number), got {s!r}")
-    return v
+    return check_seconds(s, "HYBRIDL_DIST_TIMEOUT") if s else 60.0
 
 
 state = _State()
@@ -91,15 +102,9 @@ def set_timeout(seconds):
     """Seconds a collective may take before the watchdog aborts the job (see module docstring).
 
     Raises:
-        ValueError: not a positive number.
+        ValueError: not a finite number >= 0.1.
     """
-    try:
-        v = float(seconds)
-    except (TypeError, ValueError):
-        raise ValueError(f"seconds: expected a positive number, got {seconds!r}") from None
-    if not v > 0:
-        raise ValueError(f"seconds: expected a positive number, got {seconds!r}")
-    state.timeout = v
+    state.timeout = check_seconds(seconds, "seconds")
 
 
 def get_timeout():

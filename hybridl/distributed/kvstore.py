@@ -91,8 +91,8 @@ def _env_bucket_bytes():
         v = float(s)
     except ValueError:
         raise ValueError(f"HYBRIDL_DIST_BUCKET_MB: expected a positive number, got {s!r}") from None
-    if not v > 0:
-        raise ValueError(f"HYBRIDL_DIST_BUCKET_MB: expected a positive number, got {s!r}")
+    if not 0 < v < float("inf"):
+        raise ValueError(f"HYBRIDL_DIST_BUCKET_MB: expected a positive finite number, got {s!r}")
     return int(v * 2 ** 20)
 
 
@@ -119,7 +119,8 @@ class DistKVStore(KVStore):
         if bucket_mb is None:
             self.bucket_bytes = _env_bucket_bytes()
         else:
-            if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
+            if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not \
+                    0 < bucket_mb < float("inf"):
                 raise ValueError(f"bucket_mb: expected a positive number of MiB, got {bucket_mb!r}")
             self.bucket_bytes = max(1, int(bucket_mb * 2 ** 20))
         self._st = _backend.init()

@@ -166,8 +166,8 @@ def main(argv=None):
         print(f"hybridl launch: error: -n: expected a positive number of processes, got {args.n}",
               file=sys.stderr)
         return 2
-    if args.timeout is not None and not 0 < args.timeout < float("inf"):
-        print(f"hybridl launch: error: --timeout: expected seconds, a finite number > 0, got "
+    if args.timeout is not None and not 0.1 <= args.timeout < float("inf"):
+        print(f"hybridl launch: error: --timeout: expected seconds, a finite number >= 0.1, got "
               f"{args.timeout}", file=sys.stderr)
         return 2
     mpiexec = find_mpiexec(args.mpiexec)
@@ -175,6 +175,10 @@ def main(argv=None):
         print("hybridl launch: note: mpiexec not found; showing the command with 'mpiexec'",
               file=sys.stderr)
         mpiexec = args.mpiexec or "mpiexec"
+    elif args.mpiexec and (not mpiexec or not os.path.exists(mpiexec)):
+        print(f"hybridl launch: error: --mpiexec: no such program: {args.mpiexec!r}",
+              file=sys.stderr)
+        return 127
     elif not mpiexec or not os.path.exists(mpiexec):
         print("hybridl launch: error: mpiexec not found (looked at --mpiexec, $HYBRIDL_MPIEXEC, "
               f"{os.path.dirname(sys.executable)}, the mpich wheel and PATH). Install it with "
@@ -197,8 +201,9 @@ def main(argv=None):
     env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
     if args.timeout is not None:
         env["HYBRIDL_DIST_TIMEOUT"] = str(args.timeout)
-    if args.dry_run:
-        print(" ".join(full))
+    if args.dry_run:                # (with the environment the real run sets)
+        print(" ".join(([f"HYBRIDL_DIST_TIMEOUT={args.timeout:g}"] if args.timeout is not None
+                        else []) + full))
         return 0
     before = shm_files()
     try:

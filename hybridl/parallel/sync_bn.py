@@ -388,7 +388,7 @@ class SyncBatchNorm(BatchNorm):
 
     Raises:
         ValueError: num_devices not None or an integer >= 1.
-        RuntimeError: the naive engine with several devices; hybridization (tracing).
+        RuntimeError: the naive engine (in training); hybridization (tracing).
         OpError (at the next sync point): a device ran the layer again before every device of
             the step did (that step's results fail, the next step starts afresh), or a step's
             devices did not all arrive within ``SYNC_TIMEOUT_S`` seconds.
@@ -421,10 +421,13 @@ class SyncBatchNorm(BatchNorm):
             for p in self._params():
                 p._finish_deferred_init((c,))
         k = self._num_devices or len(self.gamma.list_device())
-        if k > 1 and _engine.get_engine().name == "naive":
-            raise RuntimeError("SyncBatchNorm over several devices needs the threaded engine "
+        if _engine.get_engine().name == "naive" and autograd.is_training():
+            # (one device too: the gate op would run at its push, before this device's
+            # statistics, and wait SYNC_TIMEOUT_S for them)
+            raise RuntimeError("SyncBatchNorm needs the threaded engine in training "
                                "(HYBRIDL_ENGINE=naive runs each op at its push, before the "
-                               "other devices can join)")
+                               "devices, or this device's statistics, can join); use BatchNorm "
+                               "to debug with the naive engine")
         dev = x.device
         gm, bt, rm, rv = (p.data(dev) for p in self._params())
         with _unbulked():
