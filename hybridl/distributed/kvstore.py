@@ -319,7 +319,10 @@ class DistKVStore(KVStore):
         """Sum ``value`` over all local copies and all ranks into ``out`` (default: in place).
 
         Asynchronous: the bucket holding ``key`` is all-reduced by one engine op once every key
-        of the bucket has been pushed in this round (see the module docstring).
+        of the bucket has been pushed in this round (see the module docstring). Until then
+        ``out`` still holds this rank's own value, not the sum: push every key of the bucket
+        (``buckets`` lists them; the Trainer pushes all its keys each step) before reading
+        it, or make the store with a ``bucket_mb`` small enough for one key per bucket.
 
         Raises:
             KeyError: key not initialized.  ValueError: shape mismatch, or a key pushed again
