@@ -472,22 +472,56 @@ def _overall_rate(hist):
     return sum(h["samples_per_s"] * h["seconds"] for h in hist) / secs if secs > 0 else 0.0
 
 
+def _check_save(path):
+    """``--save PATH`` can be written (before training, not after it)."""
+    from ._io import _check_target, resolve
+    target = resolve(path)          # a link: where its file is (or would be) written
+    try:
+        _check_target(target)
+    except (ValueError, OSError) as e:
+        raise type(e)(f"--save: {e}") from None
+    _probe_write(target, "--save")
+
+
+def _launched_size():
+    """The number of processes of the MPI job that started this one (1 when none: the
+    launchers' environment, read before MPI is initialized)."""
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE"):
+        try:
+            return max(1, int(os.environ[var]))
+        except (KeyError, ValueError):
+            continue
+    return 1
+
+
 def _train(args):
     from . import data, optim
     _setup(args)
-    if args.save:                 # fail before training, not after it
-        from ._io import _check_target, resolve
-        target = resolve(args.save)     # a link: where its file is (or would be) written
-        try:
-            _check_target(target)
-        except (ValueError, OSError) as e:
-            raise type(e)(f"--save: {e}") from None
-        _probe_write(target, "--save")
     dist = None
     if args.distributed:
         from . import distributed as dist
         dist.init()
+    elif _launched_size() > 1:
+        raise ValueError(f"this process is one of {_launched_size()} started by mpiexec, but "
+                         f"--distributed is not given: each would train alone; add "
+                         f"--distributed")
     rank0 = dist is None or dist.rank() == 0
+    if args.save:
+        # only rank 0 writes it (on a cluster the folder may exist on its node only); its
+        # verdict is shared, so that every rank stops with it rather than at a timeout
+        err = None
+        if rank0:
+            try:
+                _check_save(args.save)
+            except (ValueError, OSError) as e:
+                err = e
+        if dist is not None and dist.size() > 1:
+            from . import nd
+            bad = dist.broadcast(nd.array([0 if err is None else 1], dtype="int32"))
+            if bad.asnumpy()[0] and err is None:
+                raise ValueError(f"--save: rank 0 cannot write {args.save!r} (see its message)")
+        if err is not None:
+            raise err
     train_set, test_set, size = _load_data(args)
     devices = args.devices or args.device
     shard = {}

@@ -580,6 +580,20 @@ def test_launch_hybridl_train_distributed(tmp_path):
     assert time.perf_counter() - t0 < 80
 
 
+@mpi
+def test_hybridl_train_under_mpiexec_refuses_to_train_alone_and_checks_save_on_rank_0(tmp_path):
+    # without --distributed each process trained the whole model alone; --save was probed on
+    # every rank (on a cluster its folder may exist on rank 0's node only)
+    out, dt = _mpirun([sys.executable, "-m", "hybridl", "train", "--epochs", "1"], timeout=80)
+    assert out.returncode == 2 and out.stderr.count("add --distributed") == 2, out.stderr
+    out, dt = _mpirun([sys.executable, "-m", "hybridl", "train", "--distributed", "--epochs", "1",
+                       "--save", "/proc/x.safetensors"], timeout=80)
+    assert out.returncode == 2, out.stderr
+    assert "--save: cannot write files into '/proc'" in out.stderr
+    assert "--save: rank 0 cannot write '/proc/x.safetensors'" in out.stderr
+    assert dt < 30
+
+
 _FAILED_ON_ONE_RANK = """
 import sys
 import numpy as np
