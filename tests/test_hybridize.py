@@ -367,6 +367,23 @@ def test_device_copies_in_traced_code_are_a_tracing_error():
     np.testing.assert_array_equal(net(nd.ones((2, 8))).asnumpy(), eager)
 
 
+def test_failed_traces_do_not_count_towards_the_retrace_warning():
+    import warnings
+
+    @hl.jit
+    def f(a, b):
+        return a + b                    # (3,) + (4,): a broadcasting error while tracing
+    for _ in range(hl.graph.hybrid.RETRACE_WARN + 3):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")          # no "retraced" warning
+            with pytest.raises(ValueError):
+                f(nd.ones((3,)), nd.ones((4,)))
+    info = f.cache_info()
+    assert info.programs == 0 and all(r.endswith("(the trace failed)") for r in info.reasons)
+    assert f(nd.ones((3,)), nd.ones((3,))).tolist() == [2.0, 2.0, 2.0]
+    assert f.cache_info().programs == 1
+
+
 # ---------------------------------------------------------------------------- aliasing, updates
 
 

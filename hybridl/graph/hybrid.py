@@ -295,6 +295,7 @@ class _Cache:
         # and forth reuses them instead of retracing; entries[sig] is the last one used
         self.variants = {}
         self.cleared = None     # why the programs were dropped (the next miss's reason)
+        self._pending = (False, [])     # the last miss's count and new keys (see failed)
 
     def info(self):
         progs = {id(e) for e in self.entries.values()} | {id(e) for e in self.variants.values()}
@@ -330,20 +331,36 @@ class _Cache:
         return why
 
     def miss(self, reason, owner, stacklevel=3, kind=None, full=None):
-        """Count a miss with its reason; warn once after more than RETRACE_WARN of them.
-        ``kind``: the signature less its devices, ``full``: the signature. A miss that only
-        adds a device to a kind already traced does not count towards the warning (each device
-        of a data-parallel step has its own program: no retracing to warn about); a new kind
-        counts, and so does a signature traced again (the cache was cleared)."""
+        """Count a miss with its reason (then :meth:`traced` or :meth:`failed`, from the same
+        caller). ``kind``: the signature less its devices, ``full``: the signature. A miss
+        that only adds a device to a kind already traced does not count towards the retrace
+        warning (each device of a data-parallel step has its own program: no retracing to
+        warn about); a new kind counts, and so does a signature traced again (the cache was
+        cleared)."""
         self.misses += 1
         self.reasons.append(reason)
         count = True
+        new = []
         if kind is not None:
             count = kind not in self.kinds or (full is not None and full in self.seen)
-            self.kinds.add(kind)
-            if full is not None:
-                self.seen.add(full)
+            for key, known in ((kind, self.kinds), (full, self.seen)):
+                if key is not None and key not in known:
+                    known.add(key)
+                    new.append((key, known))
         self.counted += count
+        self._pending = (count, new)
+
+    def failed(self):
+        """The trace of the last miss raised (a user error): it does not count towards the
+        retrace warning, and its reason says so."""
+        count, new = self._pending
+        self.counted -= count
+        for key, known in new:
+            known.discard(key)
+        self.reasons[-1] = f"{self.reasons[-1]} (the trace failed)"
+
+    def traced(self, owner, stacklevel=3):
+        """The last miss was traced: warn once after more than RETRACE_WARN counted misses."""
         if self.counted > RETRACE_WARN and not self.warned:
             self.warned = True
             warnings.warn(f"{owner} was retraced {self.misses} times; last reasons: "
@@ -469,11 +486,17 @@ def call_cached(block, args):
             mask = _req_mask(stale.params)
         else:
             reason, mask = cache.reason(sig, list(cache.entries)), None
-        cache.miss(reason, type(block).__name__, stacklevel=4,
-                   kind=(_without_devices(sig), mask), full=(sig, mask))
+        cache.miss(reason, type(block).__name__, kind=(_without_devices(sig), mask),
+                   full=(sig, mask))
         flags = block._hybrid_flags
-        entry = _build(block.forward, args, type(block).__name__, flags.get("passes"),
-                       [s[3] for s in sig[0]], parallel_segments=flags.get("parallel_segments", False))
+        try:
+            entry = _build(block.forward, args, type(block).__name__, flags.get("passes"),
+                           [s[3] for s in sig[0]],
+                           parallel_segments=flags.get("parallel_segments", False))
+        except BaseException:
+            cache.failed()
+            raise
+        cache.traced(type(block).__name__, stacklevel=4)
         entry.req_mask = _req_mask(entry.params)
         cache.add(sig, entry)
         object.__setattr__(block, "_last_program", entry)
@@ -599,8 +622,13 @@ class _JitFunction:
                           else f"static arguments {sig[1]}")
             cache.miss(reason, self._name, kind=(_without_devices(sig[0]), sig[1], mask),
                        full=(sig, mask))
-            entry = _build(self._fn, args, self._name, self._passes,
-                           [s[3] for s in sig[0][0]], static)
+            try:
+                entry = _build(self._fn, args, self._name, self._passes,
+                               [s[3] for s in sig[0][0]], static)
+            except BaseException:
+                cache.failed()
+                raise
+            cache.traced(self._name)
             entry.req_mask = _req_mask(entry.params)
             cache.add(sig, entry)
             self._last_entry = entry

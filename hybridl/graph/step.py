@@ -532,9 +532,14 @@ class TrainStep:
                tuple([p._grad_req for p in self.trainer._params]))
         e = cache.entries.get(sig)
         if e is None:
-            cache.miss(_step_miss_reason(sig, list(cache.entries)), "TrainStep", stacklevel=3,
+            cache.miss(_step_miss_reason(sig, list(cache.entries)), "TrainStep",
                        kind=(sig[0][:2],) + sig[1:], full=sig)
-            e = self._build(data, label)
+            try:
+                e = self._build(data, label)
+            except BaseException:
+                cache.failed()
+                raise
+            cache.traced("TrainStep", stacklevel=3)
             cache.entries[sig] = e
             self._last = e
         else:
