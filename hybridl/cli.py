@@ -76,14 +76,16 @@ def main(argv=None):
     if cmd not in COMMANDS:
         print(f"hybridl: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[cmd][0])
-    entry = getattr(module, f"main_{cmd}", None) or module.main
-    try:
+    try:                               # (the command's imports too: a Ctrl-C there)
+        module = importlib.import_module(COMMANDS[cmd][0])
+        entry = getattr(module, f"main_{cmd}", None) or module.main
         rc = entry(rest)
         _drain()
         return rc
     except KeyboardInterrupt:          # Ctrl-C: one line, not a traceback (files are written
         _default_sigint()              # atomically: none is half-written); 128 + SIGINT
+        from . import engine           # the queued work is dropped at exit, without the
+        engine.interrupted()           # 2 s grace or a note (the user asked to stop)
         print(f"\nhybridl {cmd}: interrupted", file=sys.stderr)
         return 130                     # (as shell tools)
     except BrokenPipeError:            # `hybridl trace | head`: the reader left; stop quietly

@@ -378,6 +378,26 @@ def test_a_small_gz_that_inflates_far_beyond_the_file_size_is_refused_early(tmp_
         FashionMNIST(root=str(root), train=False)
 
 
+def test_a_gz_of_several_members_is_read_whole(tmp_path):
+    # a valid multi-member .gz (re-compressed or concatenated; gzip.decompress and zcat read
+    # it) was taken as truncated, and the message said to delete it
+    imgs, lbls = _fake_fashion(tmp_path / "one")
+    root = tmp_path / "multi"
+    root.mkdir()
+    for name, arr in (("t10k-images-idx3-ubyte.gz", imgs), ("t10k-labels-idx1-ubyte.gz", lbls)):
+        b = _idx(arr)
+        (root / name).write_bytes(gzip.compress(b[:len(b) // 3], 1) + gzip.compress(b[len(b) // 3:], 1))
+    ds = FashionMNIST(root=str(root), train=False)
+    np.testing.assert_allclose(ds.images[:, 0], imgs / 255.0, rtol=1e-6)
+    np.testing.assert_array_equal(ds.labels, lbls)
+    bad = tmp_path / "junk"
+    bad.mkdir()
+    for name in ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"):
+        (bad / name).write_bytes((root / name).read_bytes() + b"junk")
+    with pytest.raises(DatasetError, match="trailing data after the gzip stream"):
+        FashionMNIST(root=str(bad), train=False)
+
+
 def test_dataset_arguments_are_checked(tmp_path):
     """download='no' downloaded (any truthy value did); mirrors=5 or [None] failed with
     Python's own TypeError/AttributeError after creating the root folder; root='' silently

@@ -857,6 +857,29 @@ def test_ctrl_c_ends_training_with_one_line_and_no_file(tmp_path):
     assert os.listdir(tmp_path) == []          # no --save file, no temporary
 
 
+@pytest.mark.skipif(_mnist_dir() is None, reason="MNIST not found (set HYBRIDL_DATA)")
+def test_ctrl_c_with_a_long_queue_drops_it_at_once_and_says_one_line():
+    """An MNIST epoch pushes many steps ahead: after a Ctrl-C the exit waited 2 s for that
+    queue and then printed a second line about the cancelled ops."""
+    import signal
+    p = _start("train", "--dataset", "mnist", "--data-dir", _mnist_dir(), "--epochs", "1")
+    try:
+        line = p.stdout.readline()
+        while line and "hybridl train" not in line:
+            line = p.stdout.readline()
+        time.sleep(2.0)                         # the epoch is under way
+        t0 = time.perf_counter()
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+        dt = time.perf_counter() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, err
+    assert err.strip() == "hybridl train: interrupted", err
+    assert dt < 1.5
+
+
 def test_save_through_a_dangling_link_fails_before_training_and_a_failed_final_save_exits_1(
         tmp_path, monkeypatch, capsys):
     """--save through a symbolic link into a missing folder passed the early check (it looked

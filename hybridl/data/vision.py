@@ -189,14 +189,20 @@ def _decompress(raw, name, limit=None):
     try:
         if limit is None:
             return gzip.decompress(raw)
-        d = zlib.decompressobj(16 + zlib.MAX_WBITS)      # one gzip member, as IDX files are
-        out = d.decompress(raw, limit + 1)
-        if len(out) > limit:
-            raise DatasetError(f"{name}: the gzip data inflates to more than {limit} bytes, the "
-                               f"size of the expected IDX file (not the official file)")
-        if not d.eof:
-            raise EOFError("compressed stream ended before the end-of-stream marker")
-        return out
+        out, data = bytearray(), raw
+        while True:             # every gzip member, as gzip.decompress (a re-compressed or
+            d = zlib.decompressobj(16 + zlib.MAX_WBITS)     # concatenated .gz has several)
+            out += d.decompress(data, limit + 1 - len(out))
+            if len(out) > limit:
+                raise DatasetError(f"{name}: the gzip data inflates to more than {limit} bytes, "
+                                   f"the size of the expected IDX file (not the official file)")
+            if not d.eof:
+                raise EOFError("compressed stream ended before the end-of-stream marker")
+            data = d.unused_data
+            if not data.strip(b"\0"):                # (zero padding after the last member)
+                return bytes(out)
+            if data[:2] != b"\x1f\x8b":
+                raise EOFError(f"{len(data)} bytes of trailing data after the gzip stream")
     except (OSError, EOFError, zlib.error) as exc:
         raise DatasetError(f"{name}: corrupt or truncated gzip data ({type(exc).__name__}: "
                            f"{exc})") from exc

@@ -185,6 +185,14 @@ def start_workers(devices):
 
 
 _EXIT_GRACE_S = 2.0     # seconds pending work may take at exit before it is cancelled
+_INTERRUPTED = [False]
+
+
+def interrupted():
+    """Say that the program is ending because of a Ctrl-C it caught itself (``hybridl``'s
+    commands do): at exit the pending work is then cancelled at once and nothing is printed,
+    as after an uncaught KeyboardInterrupt (see ``_shutdown``)."""
+    _INTERRUPTED[0] = True
 
 
 @atexit.register
@@ -197,7 +205,7 @@ def _shutdown():
     everything and raises). After a Ctrl-C that ended the program nothing waits and nothing
     is printed (the user asked to stop)."""
     eng = _current
-    interrupted = getattr(sys, "last_type", None) is KeyboardInterrupt
+    interrupted = getattr(sys, "last_type", None) is KeyboardInterrupt or _INTERRUPTED[0]
     try:
         pending = getattr(eng, "pending", None)
         if pending is not None and not interrupted:
