@@ -460,6 +460,10 @@ def main_train(argv=None):
         print(f"hybridl train: error: {e}", file=sys.stderr)
         return 1
     except (FileNotFoundError, ValueError, OSError, RuntimeError) as e:
+        from .data import DownloadError
+        if isinstance(e, DownloadError):    # --download failed (the network, the mirrors):
+            print(f"hybridl train: error: {e}", file=sys.stderr)    # the options were valid,
+            return 1                                                # the run failed
         msg = str(e).strip().splitlines()
         return _usage_error(f"{type(e).__name__}: {msg[0] if msg else e}"
                             + "".join(f"\n  {m}" for m in msg[1:6]))

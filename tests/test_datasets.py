@@ -315,6 +315,23 @@ def test_download_unreachable_mirror(tmp_path):
         MNIST(root=str(root), train=False, download=True, mirrors=[])
 
 
+def test_train_exits_1_not_2_when_the_download_fails(tmp_path, monkeypatch, capsys):
+    # the options were valid, the network failed: exit code 2 and "see --help" were wrong
+    from hybridl.cli import main
+    from hybridl.data import DownloadError
+    monkeypatch.setattr(MNIST, "default_mirrors", ("http://127.0.0.1:9/",))
+    init = MNIST.__init__
+
+    def quick(self, *a, **k):
+        init(self, *a, **dict(k, timeout=2))
+    monkeypatch.setattr(MNIST, "__init__", quick)
+    rc = main(["train", "--dataset", "mnist", "--data-dir", str(tmp_path), "--download",
+               "--epochs", "1", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "could not download a valid" in err and "--help" not in err, err
+    assert issubclass(DownloadError, DatasetError)
+
+
 def test_fashion_rejects_labels_outside_its_classes(tmp_path):
     _fake_fashion(tmp_path / "f")
     p = tmp_path / "f" / "t10k-labels-idx1-ubyte.gz"

@@ -9,8 +9,8 @@ from . import transforms, vision
 from .dataloader import DataLoader, default_batchify_fn
 from .dataset import ArrayDataset, Dataset, SimpleDataset
 from .transforms import Compose, Normalize, ToFloat
-from .vision import MNIST, DatasetError, Digits, FashionMNIST
+from .vision import MNIST, DatasetError, Digits, DownloadError, FashionMNIST
 
 __all__ = ["Dataset", "SimpleDataset", "ArrayDataset", "DataLoader", "default_batchify_fn",
            "transforms", "vision", "ToFloat", "Normalize", "Compose",
-           "Digits", "MNIST", "FashionMNIST", "DatasetError"]
+           "Digits", "MNIST", "FashionMNIST", "DatasetError", "DownloadError"]

@@ -39,11 +39,15 @@ import numpy as np
 
 from .dataset import ArrayDataset
 
-__all__ = ["Digits", "MNIST", "FashionMNIST", "DatasetError", "parse_idx"]
+__all__ = ["Digits", "MNIST", "FashionMNIST", "DatasetError", "DownloadError", "parse_idx"]
 
 
 class DatasetError(RuntimeError):
     """A data file is corrupt / fails verification, or no mirror delivered a valid copy."""
+
+
+class DownloadError(DatasetError):
+    """No mirror delivered a valid copy of a file (network errors, bad downloads)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -413,7 +417,7 @@ class _IDXImageDataset(ArrayDataset):
                         os.remove(tmp)
                     except OSError:
                         pass
-        raise DatasetError(f"{type(self).__name__}: could not download a valid {fname} into "
+        raise DownloadError(f"{type(self).__name__}: could not download a valid {fname} into "
                            f"{self.root}; tried {len(self.mirrors)} mirror(s):\n"
                            + "\n".join(errors))
 
@@ -485,8 +489,8 @@ class MNIST(_IDXImageDataset):
     Raises:
         FileNotFoundError: a file is missing and ``download`` is False (says where it looked
             and how to fix it).
-        DatasetError: a file is corrupt (names the file), or no mirror delivered a valid copy
-            (names each URL and its error).
+        DatasetError: a file is corrupt (names the file), or (DownloadError) no mirror
+            delivered a valid copy (names each URL and its error).
         ValueError: ``timeout`` not a number of seconds > 0; an empty mirror list with
             ``download``. TypeError: ``train`` not a bool, ``root`` not a path.
     """
