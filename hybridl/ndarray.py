@@ -856,6 +856,28 @@ def _supported(a, what, small_ints_32=False):
     return a
 
 
+def snapshot(arrays):
+    """Copies (C-contiguous NumPy arrays) of ``arrays``' values at one point of the program
+    order: ONE engine op reads them all, after every write pushed before it and before any
+    pushed after it. Reading them one by one (``asnumpy()`` each) while another thread trains
+    mixes values of different steps (a checkpoint or an export half old, half new).
+
+    Raises:
+        OpError: a value failed (as ``asnumpy()`` would)."""
+    arrays = list(arrays)
+    out = [None] * len(arrays)
+    if not arrays:
+        return out
+    done = _engine.Var("snapshot")
+
+    def run():
+        for i, a in enumerate(arrays):
+            out[i] = np.array(a._data, order="C", copy=True)
+    _engine.push(run, [a._var for a in arrays], [done], arrays[0].device, name="snapshot")
+    _engine.wait_for(done)
+    return out
+
+
 def from_numpy(a, device=None):
     """Wrap a NumPy array without copying it (the caller must not modify it afterwards)."""
     a = np.asarray(a)

@@ -1,6 +1,7 @@
 """Regression tests for faults found by adversarial testing (each asserts the fixed value)."""
 import os
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -2842,3 +2843,42 @@ def test_retracing_the_same_signature_again_and_again_still_warns():
         for _ in range(9):
             net.add(nn.Activation("relu"))          # a new child: the cache is cleared
             net(nd.ones((2, 3)))
+
+
+def test_save_parameters_and_export_read_every_value_at_one_point(tmp_path):
+    """A checkpoint or export taken while another thread trains read the parameters one by
+    one (asnumpy each): a step pushed meanwhile gave it half old, half new values. Now one
+    engine op reads them all (ndarray.snapshot). Deterministic: a blocked write of both
+    values, the save waiting for it, then a second write pushed before the first runs."""
+    from safetensors.numpy import load_file
+    from hybridl import engine
+    net = nn.HybridSequential()
+    net.add(nn.Dense(2, in_units=2, use_bias=False), nn.Dense(2, in_units=2, use_bias=False))
+    net.initialize()
+    a, b = (p.data() for p in net.collect_params().values())
+    gate = threading.Event()
+
+    def write(v, wait=False):
+        def run():
+            if wait:
+                gate.wait(10)
+            else:
+                time.sleep(0.3)         # a step's compute: the reader of a is done by then
+            a._data = np.full((2, 2), v, np.float32)
+            b._data = np.full((2, 2), v, np.float32)
+        engine.push(run, [], [a._var, b._var], a.device, name="write")
+    write(1.0, wait=True)
+    saved = {}
+    t = threading.Thread(target=lambda: (net.save_parameters(str(tmp_path / "p.safetensors")),
+                                         net.export(str(tmp_path / "m"), nd.ones((1, 2))),
+                                         saved.update(ok=True)))
+    t.start()
+    time.sleep(0.3)                     # the save waits for the first write
+    write(2.0)                          # a later step, pushed meanwhile
+    gate.set()
+    t.join(20)
+    hl.waitall()
+    assert saved.get("ok")
+    for f in ("p.safetensors", "m.safetensors"):
+        vals = list(load_file(str(tmp_path / f)).values())
+        assert all(np.array_equal(v, vals[0]) for v in vals), f     # one step's values

@@ -142,8 +142,10 @@ def export(block, prefix, *example_inputs):
         s.node.name = name
     g = run_passes(Graph(inputs, outs), _EXPORT_PASSES)
     doc, tensors = graph_to_json(g, len(args))
-    for p, s in zip(ctx.params, inputs[len(args):]):
-        tensors[s.node.name] = np.array(p.data().asnumpy(), order="C")
+    from ..ndarray import snapshot      # all at one point of the program order
+    vals = snapshot([p.data() for p in ctx.params])
+    for v, s in zip(vals, inputs[len(args):]):
+        tensors[s.node.name] = v
     doc["single_output"] = single
     sym_file, param_file = f"{prefix}-symbol.json", f"{prefix}.safetensors"
 

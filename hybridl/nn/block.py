@@ -172,8 +172,10 @@ class Block:
 
         from .._io import check_path
         path = check_path(path, "save_parameters: path")
-        tensors = {name: np.array(p.data().asnumpy(), order="C")        # 0-d stays 0-d
-                   for name, p in self.collect_params().items()}
+        from ..ndarray import snapshot
+        params = self.collect_params()      # every value at one point of the program (a
+        vals = snapshot([p.data() for p in params.values()])    # training thread beside)
+        tensors = dict(zip(params.keys(), vals))                # (0-d stays 0-d)
         _atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "hybridl"}))
 
     def load_parameters(self, path, device=None, allow_missing=False, ignore_extra=False,
