@@ -470,6 +470,7 @@ def test_simplify_reduces_concat_parts_separately(red, keepdims):
     assert h2.count("concat") == 1 and h2.count("sum") == 1
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")     # NaN and inf inputs, on purpose
 @pytest.mark.parametrize("kernel, stride, padding, H, moved", [
     (2, 2, 0, 8, True),         # windows tile the image: the mask moves before the scatter
     (3, 3, 0, 9, True),
