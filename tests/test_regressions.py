@@ -1513,6 +1513,14 @@ def test_trainer_warns_once_when_a_parameter_frozen_at_creation_is_unfrozen():
         msgs = [str(x.message) for x in w if "create a new Trainer" in str(x.message)]
         assert len(msgs) == (1 if k == 0 else 0)
         assert w[0].filename == __file__ if msgs else True
+    # hl.TrainStep with such a Trainer skipped the parameter without a word
+    d.weight.grad_req = "null"
+    tr2 = hl.Trainer(d.collect_params(), "sgd", {"learning_rate": 1.0})
+    d.weight.grad_req = "write"
+    step = hl.TrainStep(d, hl.loss.L2Loss(), tr2)
+    with pytest.warns(UserWarning, match=r"TrainStep: parameters \['weight'\] had grad_req='null'") as w:
+        step(nd.ones((2, 2)), nd.zeros((2, 2)))
+    assert w[0].filename == __file__
 
 
 def test_collect_params_pattern_that_matches_nothing_and_empty_trainer_warn():

@@ -492,14 +492,3 @@ def test_threads_making_their_first_train_step_share_one_optimizer_state():
         t.join()
     hl.waitall()
     assert [s["t"] for s in tr._states.values()] == [2, 2]
-
-
-def test_train_step_warns_about_a_parameter_unfrozen_after_the_trainer_was_made():
-    net = nn.Dense(2, in_units=3)
-    net.initialize()
-    net.weight.grad_req = "null"
-    tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
-    net.weight.grad_req = "write"
-    step = hl.TrainStep(net, hl.loss.SoftmaxCrossEntropyLoss(), tr)
-    with pytest.warns(UserWarning, match=r"TrainStep: parameters \['weight'\] had grad_req='null'"):
-        step(nd.ones((2, 3)), nd.array(np.array([0.0, 1.0], np.float32)))
