@@ -92,6 +92,12 @@ class NDArray:
         ``numpy.ndarray.tolist``."""
         return self.asnumpy().tolist()
 
+    def __reduce__(self):
+        """Pickled (within a program, e.g. to a multiprocessing worker) as its value, dtype
+        and device: waits for pending writes; the engine's state is not part of it. Raises
+        OpError when the value failed. (Files users exchange: save_parameters, safetensors.)"""
+        return (_unpickle, (self.asnumpy(), str(self.device)))
+
     def copy(self):
         """A new array with the same values on the same device (asynchronous)."""
         return self.copyto(self.device)
@@ -678,9 +684,10 @@ def _scalar_dtype(value, like):
             # an int32 array) must not wrap around silently in the C cast
             info = np.iinfo(dt)
             if not info.min <= int(value) <= info.max:
+                hint = ("a wider array (x.astype('int64')) or a float" if dt.itemsize < 8
+                        else "a float (x.astype('float64')): int64 is the widest integer dtype")
                 raise OverflowError(f"integer {int(value)} does not fit the array's dtype {dt} "
-                                    f"(range [{info.min}, {info.max}]); use a wider array "
-                                    f"(x.astype('int64')) or a float")
+                                    f"(range [{info.min}, {info.max}]); use {hint}")
         return dt
     if like.kind == "f":
         return like
@@ -854,6 +861,10 @@ def _supported(a, what, small_ints_32=False):
     if a.dtype.kind not in "fiub":
         raise TypeError(f"{what}: expected numbers, got an array of dtype {a.dtype}")
     return a
+
+
+def _unpickle(value, device):
+    return array(value, dtype=value.dtype, device=device)
 
 
 def snapshot(arrays):

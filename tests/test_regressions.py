@@ -2890,3 +2890,17 @@ def test_save_parameters_and_export_read_every_value_at_one_point(tmp_path):
     for f in ("p.safetensors", "m.safetensors"):
         vals = list(load_file(str(tmp_path / f)).values())
         assert all(np.array_equal(v, vals[0]) for v in vals), f     # one step's values
+
+
+def test_ndarrays_pickle_as_their_value_whatever_their_history():
+    # an array an op had used failed to pickle on the threaded engine (the engine's closures
+    # were in its state); a fresh one pickled the engine's internals
+    import pickle
+    x = nd.array(np.arange(6, dtype=np.int32).reshape(2, 3))
+    y = x + 1
+    for a in (x, y, nd.ones((2,), device=hl.cpu(1))):
+        b = pickle.loads(pickle.dumps(a))
+        assert b.dtype == a.dtype and b.device == a.device
+        np.testing.assert_array_equal(b.asnumpy(), a.asnumpy())
+    with pytest.raises(OverflowError, match="int64 is the widest integer dtype"):
+        nd.array(np.arange(3)) + 2 ** 70
