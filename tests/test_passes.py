@@ -810,29 +810,24 @@ def test_plan_memory_fresh_multi_output_op_frees_its_inputs(monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value")
-def test_long_chains_fuse_in_pieces_and_power_by_a_scalar_stays_numpys():
+def test_long_chains_fuse_in_pieces_and_power_by_a_scalar_stays_numpys(fuse_all):
     """A chain of ~600 elementwise ops hit Python's recursion limit in fuse_elementwise (the
     expression is built recursively); x ** 0.5 fused through numexpr's pow gave inf for -inf
     and 0 for -0.0, where NumPy's sqrt gives nan and -0.0."""
-    prev = P.fusion_threshold()
-    P.set_fusion_threshold(0)
-    try:
-        x = hl.sym.var("x", shape=(4,))
-        y = x
-        for i in range(700):
-            y = y * 1.0001 + 0.001 if i % 2 else nd.tanh(y)
-        xs = np.linspace(-1, 1, 4).astype(np.float32)
-        fused = hl.compile(y)(xs).asnumpy()
-        plain = hl.compile(y, passes=[])(xs).asnumpy()
-        np.testing.assert_allclose(fused, plain, rtol=1e-5)
-        v = np.array([-0.0, -np.inf, 4.0, 9.0], np.float32)
-        z = (x ** 0.5) * 1.0 + 0.0
-        got = hl.compile(z)(v).asnumpy()
-        ref = hl.compile(z, passes=[])(v).asnumpy()
-        np.testing.assert_array_equal(np.signbit(got), np.signbit(ref))
-        np.testing.assert_array_equal(got, ref)
-    finally:
-        P.set_fusion_threshold(prev)
+    x = hl.sym.var("x", shape=(4,))
+    y = x
+    for i in range(700):
+        y = y * 1.0001 + 0.001 if i % 2 else nd.tanh(y)
+    xs = np.linspace(-1, 1, 4).astype(np.float32)
+    fused = hl.compile(y)(xs).asnumpy()
+    plain = hl.compile(y, passes=[])(xs).asnumpy()
+    np.testing.assert_allclose(fused, plain, rtol=1e-5)
+    v = np.array([-0.0, -np.inf, 4.0, 9.0], np.float32)
+    z = (x ** 0.5) * 1.0 + 0.0
+    got = hl.compile(z)(v).asnumpy()
+    ref = hl.compile(z, passes=[])(v).asnumpy()
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(ref))
+    np.testing.assert_array_equal(got, ref)
 
 
 def test_a_pass_that_breaks_the_graph_is_named():
@@ -855,25 +850,20 @@ def test_a_pass_that_breaks_the_graph_is_named():
         hl.compile(y, passes=[wrong_dtype])
 
 
-def test_fusing_ops_that_repeat_an_operand_stays_linear_in_size():
+def test_fusing_ops_that_repeat_an_operand_stays_linear_in_size(fuse_all):
     """relu's template writes its operand twice, maximum's three times: absorbing a chain
     copied each inner expression at every place, and 16 relus made a 2 MB program that took
     35 s to compile. Such operands now stay leaves of the fused expression."""
     import time
-    prev = P.fusion_threshold()
-    P.set_fusion_threshold(0)
-    try:
-        x = hl.sym.var("x", shape=(5,))
-        y = x
-        for _ in range(16):
-            y = nd.relu(y) - 0.1
-        for _ in range(5):
-            y = nd.minimum(nd.maximum(y, -1.0), 1.0) * 1.5
-        t0 = time.perf_counter()
-        prog = hl.compile(y)
-        assert time.perf_counter() - t0 < 10 and len(prog.source) < 20000
-        xs = np.linspace(-2, 2, 5).astype(np.float32)
-        np.testing.assert_allclose(prog(xs).asnumpy(), hl.compile(y, passes=[])(xs).asnumpy(),
-                                   rtol=1e-6)
-    finally:
-        P.set_fusion_threshold(prev)
+    x = hl.sym.var("x", shape=(5,))
+    y = x
+    for _ in range(16):
+        y = nd.relu(y) - 0.1
+    for _ in range(5):
+        y = nd.minimum(nd.maximum(y, -1.0), 1.0) * 1.5
+    t0 = time.perf_counter()
+    prog = hl.compile(y)
+    assert time.perf_counter() - t0 < 10 and len(prog.source) < 20000
+    xs = np.linspace(-2, 2, 5).astype(np.float32)
+    np.testing.assert_allclose(prog(xs).asnumpy(), hl.compile(y, passes=[])(xs).asnumpy(),
+                               rtol=1e-6)

@@ -182,10 +182,6 @@ def _build_programs(inputs, outs, single, ctx, args, name, passes, want_grad_dat
         prog = Program(Graph(inputs, outs + side_vals), passes, name)
         return _Compiled(prog, len(outs), single, side_params, params)
     joint, cots, wrt = gradient(Graph(inputs, outs), wrt)
-    # inputs with no differentiable path to an output get no gradient, as in eager autograd
-    # (a parameter of an unused head, or behind stop_gradient: its .grad is not written, and
-    # the Trainer skips it with its stale-gradient warning instead of applying zeros)
-    dead = {wrt[k] for k in joint.no_grad}
     fwd_g, bwd_g, res_spec = split_forward_backward(joint, len(inputs), len(outs))
     fwd_g = Graph(fwd_g.inputs, fwd_g.outputs + side_vals)
     bwd = Program(bwd_g, passes, name + ".backward")
@@ -193,7 +189,10 @@ def _build_programs(inputs, outs, single, ctx, args, name, passes, want_grad_dat
     float_out = [c is not None for c in cots]
     bop = bwd.op
     # per gradient, the outputs (cotangent positions) it comes from: when none of them got a
-    # gradient in a call (e.g. an auxiliary head the loss leaves out), neither does the input
+    # gradient in a call (an auxiliary head the loss leaves out), or it depends on none (no
+    # differentiable path: unused, or behind stop_gradient), the input gets no gradient, as
+    # in eager autograd: its .grad is not written and the Trainer skips it (stale-gradient
+    # warning) instead of applying zeros
     deps = cotangent_deps(bwd_g, sum(float_out))
 
     def grad(c, *ogs):
@@ -221,7 +220,7 @@ def _build_programs(inputs, outs, single, ctx, args, name, passes, want_grad_dat
         gs = gs if isinstance(gs, tuple) else (gs,)
         full = [None] * n_in
         for k, idx in enumerate(wrt):
-            if idx not in dead and not deps[k].isdisjoint(live):
+            if not deps[k].isdisjoint(live):
                 full[idx] = gs[k]
         return tuple(full)
 
@@ -330,7 +329,7 @@ class _Cache:
         self.cleared = None
         return why
 
-    def miss(self, reason, owner, stacklevel=3, kind=None, full=None):
+    def miss(self, reason, owner, kind=None, full=None):
         """Count a miss with its reason (then :meth:`traced` or :meth:`failed`, from the same
         caller). ``kind``: the signature less its devices, ``full``: the signature. A miss
         that only adds a device to a kind already traced does not count towards the retrace
