@@ -874,8 +874,17 @@ def snapshot(arrays):
     mixes values of different steps (a checkpoint or an export half old, half new).
 
     Raises:
+        TypeError: ``arrays`` is not an iterable of NDArrays.
         OpError: a value failed (as ``asnumpy()`` would)."""
-    arrays = list(arrays)
+    try:
+        arrays = list(arrays)
+    except TypeError:
+        raise TypeError(f"arrays: expected an iterable of NDArrays, got "
+                        f"{type(arrays).__name__}") from None
+    bad = [type(a).__name__ for a in arrays if not isinstance(a, NDArray)]
+    if bad:
+        raise TypeError(f"arrays: expected NDArrays, got {bad[0]} (wrap NumPy data with "
+                        f"hl.nd.array)")
     out = [None] * len(arrays)
     if not arrays:
         return out

@@ -2904,3 +2904,24 @@ def test_ndarrays_pickle_as_their_value_whatever_their_history():
         np.testing.assert_array_equal(b.asnumpy(), a.asnumpy())
     with pytest.raises(OverflowError, match="int64 is the widest integer dtype"):
         nd.array(np.arange(3)) + 2 ** 70
+
+
+def test_new_helpers_name_their_bad_arguments():
+    from hybridl.distributed.launch import remove_stale_shm
+    from hybridl.ndarray import snapshot
+    with pytest.raises(TypeError, match="arrays: expected NDArrays, got ndarray"):
+        snapshot([np.ones(2)])
+    with pytest.raises(TypeError, match="arrays: expected an iterable of NDArrays"):
+        snapshot(None)
+    assert snapshot([]) == []
+    x = nd.take(nd.ones(2), nd.array([5]), mode="raise")          # a failed value
+    with pytest.raises(hl.OpError, match="take"):
+        snapshot([x])
+    with pytest.raises(TypeError, match="before: expected the set of names"):
+        remove_stale_shm(None)
+    with pytest.raises(TypeError, match="gradient: expected a Graph"):
+        hl.graph.passes.gradient(None)
+    with pytest.raises(TypeError, match=r"named: expected \(name, NDArray"):
+        hl.kv.create("dist").broadcast_values([("a", nd.ones(2), 3)])
+    with pytest.raises(ValueError, match="x: expected seconds, a finite number >= 0.1"):
+        hl.distributed._backend.check_seconds(None, "x")

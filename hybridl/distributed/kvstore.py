@@ -194,6 +194,10 @@ class DistKVStore(KVStore):
 
         Raises:
             DistributedError: the ranks' names/shapes/dtypes differ (on every rank)."""
+        try:
+            named = [(k, v) for k, v in named]
+        except (TypeError, ValueError):
+            raise TypeError("named: expected (name, NDArray or list of copies) pairs") from None
         pairs = [(k, self._list(v, "value")) for k, v in named]
         self._check_signature([(k, vals[0].shape, vals[0].dtype) for k, vals in pairs])
         if self._st.size > 1 and pairs:

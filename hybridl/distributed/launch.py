@@ -83,7 +83,13 @@ def remove_stale_shm(before):
     """Delete the MPI shared-memory files that are not in ``before`` (a :func:`shm_files`
     result from before a job started) and that no running process maps: what an aborted job
     left behind. Files of other users cannot be deleted (``/dev/shm`` is sticky) and are left
-    alone, as is any file still in use. Returns the names deleted."""
+    alone, as is any file still in use. Returns the names deleted.
+
+    Raises:
+        TypeError: ``before`` is not a collection of file names."""
+    if isinstance(before, (str, bytes)) or not hasattr(before, "__iter__"):
+        raise TypeError(f"before: expected the set of names shm_files() returned, got "
+                        f"{type(before).__name__} {before!r}")
     gone = []
     for f in sorted(shm_files() - set(before)):
         path = os.path.join(_SHM, f)

@@ -641,6 +641,8 @@ def gradient(graph):
     taken by :func:`hybridl.compile` only (hybridized blocks and ``@hl.jit`` build their
     gradient programs themselves, under ``autograd.record()``); run it before
     ``fuse_elementwise`` (a fused kernel has no gradient rule)."""
+    if not isinstance(graph, Graph):
+        raise TypeError(f"gradient: expected a Graph, got {type(graph).__name__}")
     from .autodiff import gradient as _joint
     return _joint(graph)[0]
 
