@@ -48,6 +48,7 @@ class _TraceCtx:
         self.current = {}         # id(param) -> Symbol of its last write in this program
         self.owner = {}           # key of a written Symbol -> its Parameter
         self.recording = False    # autograd was recording at the call being traced
+        self.random_nodes = []    # nodes of random ops, in trace order (see unused_draws)
 
     def param_value(self, param):
         """The parameter's value at this point of the program: its last write in the traced
@@ -72,9 +73,10 @@ class _Compiled:
     treedef = None                          # set by _build for structured results
     as_list = False                         # a flat list result (see _TraceCtx)
 
-    def __init__(self, fwd, n_user, single, side_params, params, bwd=None):
+    def __init__(self, fwd, n_user, single, side_params, params, bwd=None, n_dropped=0):
         self.fwd, self.n_user, self.single = fwd, n_user, single
         self.side_params, self.params, self.bwd = side_params, params, bwd
+        self.n_dropped = n_dropped          # unused random draws: the program's last outputs
 
     @property
     def source(self):
@@ -155,6 +157,17 @@ def _last_writes(ctx):
     return [p for p, _ in last.values()], [v for _, v in last.values()]
 
 
+def unused_draws(ctx, roots):
+    """The random ops of a trace whose results ``roots`` do not depend on (a Dropout whose
+    output is unused, an auxiliary head the loss leaves out), one Symbol each. A program
+    computes and drops them: the eager code draws their random numbers, so leaving them out
+    would shift every later draw of the stream (other masks, the next batch's)."""
+    if not ctx.random_nodes:
+        return []
+    live = {n.id for n in Graph([], list(roots)).nodes}
+    return [n.out() for n in ctx.random_nodes if n.id not in live]
+
+
 def _build(fn, args, name, passes, want_grad_data, static=None, parallel_segments=False):
     inputs, outs, single, ctx = trace_graph(fn, args, static)
     entry = _build_programs(inputs, outs, single, ctx, args, name, passes, want_grad_data,
@@ -169,6 +182,8 @@ def _build_programs(inputs, outs, single, ctx, args, name, passes, want_grad_dat
     params = ctx.params
     n_data = len(args)
     side_params, side_vals = _last_writes(ctx)
+    # program outputs: the user's, the parameters' last writes, then unused random draws
+    dropped = unused_draws(ctx, outs + side_vals)
     wrt = []
     if autograd.is_recording():
         wrt = [i for i in range(n_data) if want_grad_data[i] and inputs[i].dtype.kind == "f"]
@@ -177,13 +192,13 @@ def _build_programs(inputs, outs, single, ctx, args, name, passes, want_grad_dat
     if not wrt:
         if parallel_segments:
             from .segments import SegmentedProgram
-            prog = SegmentedProgram(Graph(inputs, outs + side_vals), passes, name)
-            return _Compiled(prog, len(outs), single, side_params, params)
-        prog = Program(Graph(inputs, outs + side_vals), passes, name)
-        return _Compiled(prog, len(outs), single, side_params, params)
+            prog = SegmentedProgram(Graph(inputs, outs + side_vals + dropped), passes, name)
+            return _Compiled(prog, len(outs), single, side_params, params, n_dropped=len(dropped))
+        prog = Program(Graph(inputs, outs + side_vals + dropped), passes, name)
+        return _Compiled(prog, len(outs), single, side_params, params, n_dropped=len(dropped))
     joint, cots, wrt = gradient(Graph(inputs, outs), wrt)
     fwd_g, bwd_g, res_spec = split_forward_backward(joint, len(inputs), len(outs))
-    fwd_g = Graph(fwd_g.inputs, fwd_g.outputs + side_vals)
+    fwd_g = Graph(fwd_g.inputs, fwd_g.outputs + side_vals + dropped)
     bwd = Program(bwd_g, passes, name + ".backward")
     n_user, n_in = len(outs), len(inputs)
     float_out = [c is not None for c in cots]
@@ -229,7 +244,7 @@ def _build_programs(inputs, outs, single, ctx, args, name, passes, want_grad_dat
     # statistics the program itself assigns after each call are not among them)
     prog.op.grad_reads = (frozenset(i for kind, i in res_spec if kind == "input"),
                           frozenset(i for kind, i in res_spec if kind != "input"))
-    return _Compiled(prog, n_user, single, side_params, params, bwd)
+    return _Compiled(prog, n_user, single, side_params, params, bwd, len(dropped))
 
 
 _AG = autograd._state
@@ -390,8 +405,9 @@ def _run(entry, args, pvals=None):
         outs = entry.fwd.run(list(args) + pvals)
     else:
         outs = entry.fwd._run_arrays([*args, *pvals], dev, checked)
-    if entry.side_params:
-        side = outs[-len(entry.side_params):]
+    if entry.side_params:                   # (before the dropped random draws, at the end)
+        end = len(outs) - entry.n_dropped
+        side = outs[end - len(entry.side_params):end]
         with autograd.pause(autograd.is_training()):
             for p, v in zip(entry.side_params, side):   # a failed call (its batch, or the
                 p.data(dev)._assign(v, skip_clean=True)    # program) leaves them as they were

@@ -328,6 +328,11 @@ def _symbolic(op, inputs, attrs):
             raise TypeError(f"{op.name}: unsupported input type {type(x).__name__}")
     specs = op.infer(*syms, **attrs)
     node = Node("op", op, syms, attrs, specs)
+    if op.random:               # kept by the program even if its result is unused: it draws
+        from . import trace as _trace       # from the random stream, as the eager op does
+        seen = getattr(_trace.current_context(), "random_nodes", None)
+        if seen is not None:
+            seen.append(node)
     outs = node.outputs()
     return outs[0] if len(outs) == 1 else tuple(outs)
 

@@ -51,7 +51,7 @@ from ..ops.math import _dot2
 from ..ops.registry import Op
 from . import trace as _trace
 from .autodiff import gradient
-from .hybrid import _Cache, _last_writes, _param_arrays, trace_graph
+from .hybrid import _Cache, _last_writes, _param_arrays, trace_graph, unused_draws
 from .ir import Graph, Node, Symbol, TracingError, const
 from .passes import DEFAULT_PASSES, PASSES, _VIEW_OPS, run_passes
 from .program import Program, _graph_cost
@@ -466,9 +466,14 @@ class TrainStep:
         # the head gradient of loss.backward() is ones: a constant the passes can fold
         ones = const(np.ones(loss.shape, loss.dtype))
         hp = Node("input", specs=[((max(len(live), 1), _HP), np.float64)], name="hyperparams").out()
-        extra = side_vals + ([net_out] if self._return_outputs else [])
-        g, extra = _substitute(joint, inputs + [hp], {cots[0].key(): ones}, extra)
-        side_vals, out_vals = extra[:len(side_vals)], extra[len(side_vals):]
+        # unused random draws (a Dropout in a head the loss leaves out) run and are dropped,
+        # so that the random stream advances as in the loop (see hybrid.unused_draws)
+        outs_kept = [net_out] if self._return_outputs else []
+        dropped = unused_draws(ctx, [loss] + side_vals + outs_kept)
+        ns, nd = len(side_vals), len(dropped)
+        g, extra = _substitute(joint, inputs + [hp], {cots[0].key(): ones},
+                               side_vals + dropped + outs_kept)
+        side_vals, dropped, out_vals = extra[:ns], extra[ns:ns + nd], extra[ns + nd:]
         grads = g.outputs[1:]
         e = _Entry()
         upd, tokens = [], []
@@ -480,7 +485,7 @@ class TrainStep:
                         {"slot": slot, "step": e, "scratch": False}, [((), np.float32)],
                         f"update {p.name}")
             tokens.append(node.out())
-        graph = Graph(inputs + [hp], [g.outputs[0]] + tokens + side_vals + out_vals)
+        graph = Graph(inputs + [hp], [g.outputs[0]] + tokens + side_vals + dropped + out_vals)
         # every pass but the memory plan, then the updates' order, then the plan
         planner = PASSES["plan_memory"]
         plan = any(p == "plan_memory" or p is planner for p in self._passes)
