@@ -104,6 +104,8 @@ class Parameter:
     def grad_req(self, req):
         if req not in ("write", "add", "null"):
             raise ValueError(f"grad_req: expected 'write', 'add' or 'null', got {req!r}")
+        if req == self._grad_req:       # unchanged (as Gluon): the gradient buffers, and what
+            return                      # grad_req='add' accumulated in them, stay
         self._grad_req = req
         DATA_VERSION[0] += 1
         if self._data is not None:
