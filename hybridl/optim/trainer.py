@@ -117,6 +117,7 @@ class Trainer:
         if isinstance(optimizer, Optimizer) and optimizer_params:
             raise ValueError("optimizer_params: must be None when optimizer is an Optimizer instance")
         self._states = {}
+        self._pushing = threading.Lock()    # one step's updates pushed, or a state snapshot
         self._ignore_stale = False
         _check_kvstore(kvstore)     # here, not at the first step
         self._kv_spec = kvstore
@@ -403,6 +404,10 @@ class Trainer:
         workers = getattr(self._kv, "num_workers", 1) if self._kv is not None else 1
         opt.rescale_grad = getattr(opt, "scale", 1.0) / (batch_size * workers)
         opt.num_update += 1
+        with self._pushing:     # a snapshot of the states (save_states) sees whole steps
+            self._update(opt)
+
+    def _update(self, opt):
         by_device = {}
         stale = []
         reduced = self._reduced
@@ -423,7 +428,7 @@ class Trainer:
             import warnings
             warnings.warn(f"Trainer.step: parameters {stale} got no gradient from backward since "
                           f"the last step (unused in the forward?) and were not updated; pass "
-                          f"ignore_stale_grad=True to silence this", RuntimeWarning, stacklevel=3)
+                          f"ignore_stale_grad=True to silence this", RuntimeWarning, stacklevel=4)
         for d, items in by_device.items():      # one update op per device
             opt.update_many(items, d)
 
@@ -438,6 +443,31 @@ class Trainer:
         error of another op, already raised at its sync point, does not stop a checkpoint)."""
         for st in list(self._states.values()):
             _engine.wait_for(st["var"])
+
+    def _snapshot_states(self):
+        """(state arrays by file key, update counts by key): copies of every optimizer state
+        taken by ONE engine op, at one point of the program order, as
+        :func:`hybridl.ndarray.snapshot` does for parameters. Read one by one while another
+        thread trains, the states mixed steps, and a state made meanwhile (states are created
+        at a parameter's first update) changed the dict being read."""
+        with self._pushing, _STATE_LOCK:
+            items = list(self._states.items())
+            tensors, counts = {}, {}
+            if not items:
+                return tensors, counts
+            names = self._names
+
+            def run():
+                for (i, d), st in items:
+                    key = f"{names[i]}@{d}"
+                    counts[key] = st["t"]
+                    for n, a in st["arrays"].items():
+                        tensors[f"{key}/{n}"] = np.array(a, order="C", copy=True)
+            done = Var("save_states")
+            _engine.push(run, [st["var"] for _, st in items], [done], items[0][0][1],
+                         name="save_states")
+        _engine.wait_for(done)
+        return tensors, counts
 
     def save_states(self, path):
         """Save optimizer state (safetensors: the state arrays; in its metadata the optimizer's
@@ -454,13 +484,7 @@ class Trainer:
         from .._io import check_path
         from ..nn.block import _atomic_write
         path = check_path(path, "save_states: path")
-        self._wait_states()
-        tensors, counts = {}, {}
-        for (i, d), st in self._states.items():
-            key = f"{self._names[i]}@{d}"
-            counts[key] = st["t"]
-            for n, a in st["arrays"].items():
-                tensors[f"{key}/{n}"] = np.array(a, order="C")
+        tensors, counts = self._snapshot_states()
         meta = {"format": "hybridl-trainer", "optimizer": type(self._optimizer).__name__,
                 "counts": json.dumps(counts), "num_update": str(self._optimizer.num_update),
                 "lr": repr(self._optimizer.lr)}
