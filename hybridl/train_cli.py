@@ -137,6 +137,14 @@ def _model(name, size):
     return models.inception_net(10)
 
 
+def _has_batch_norm(net):
+    """Whether ``net`` has a BatchNorm layer (SyncBatchNorm included)."""
+    from .nn import BatchNorm
+    found = []
+    net.apply(lambda b: found.append(b) if isinstance(b, BatchNorm) else None)
+    return bool(found)
+
+
 def _fitting_options(path, tried):
     """``--model M --dataset D`` options (text) whose network ``path``'s parameters fit
     (names and shapes), other than ``tried``; '' when none does. Digits and the 28x28
@@ -465,8 +473,11 @@ def main_train(argv=None):
             print(f"hybridl train: error: {e}", file=sys.stderr)    # the options were valid,
             return 1                                                # the run failed
         msg = str(e).strip().splitlines()
-        return _usage_error(f"{type(e).__name__}: {msg[0] if msg else e}"
-                            + "".join(f"\n  {m}" for m in msg[1:6]))
+        text = f"{type(e).__name__}: {msg[0] if msg else e}" + "".join(f"\n  {m}" for m in msg[1:6])
+        if getattr(args, "started", False):     # valid options, a failure while training
+            print(f"hybridl train: error: {text}", file=sys.stderr)
+            return 1
+        return _usage_error(text)
 
 
 def _overall_rate(hist):
@@ -545,6 +556,24 @@ def _train(args):
         raise ValueError(f"--batch-size {args.batch_size} does not split evenly over "
                          f"{len(devices)} devices; use a multiple of {len(devices)}")
     discard = len(devices) > 1 or bool(shard)
+    net = _model(args.model, size)
+    if _has_batch_norm(net):
+        # BatchNorm normalizes each channel over a batch in training: one sample per device
+        # (or micro-batch) has nothing to normalize over (a ValueError mid-run, after training)
+        share = (local_batch // args.microbatches if args.strategy == "pipeline" and len(devices) > 1
+                 else local_batch // len(devices) if args.strategy == "data" else local_batch)
+        if share < 2:
+            where = ("micro-batch" if args.strategy == "pipeline" and len(devices) > 1 else
+                     "device" if len(devices) > 1 else "batch")
+            raise ValueError(f"--batch-size {args.batch_size}: the {args.model} model has BatchNorm "
+                             f"layers, which need at least 2 samples per {where} in training "
+                             f"(got {share})")
+        if not discard and len(train_set) % local_batch == 1:
+            discard = True
+            if rank0:
+                print(f"note: the last batch of each epoch would hold 1 sample ({len(train_set)} "
+                      f"= {len(train_set) // local_batch} x {local_batch} + 1), which BatchNorm "
+                      f"cannot normalize in training: it is left out", file=sys.stderr)
     per_rank = len(train_set) // (shard.get("num_shards", 1))
     if discard and local_batch > per_rank:
         # the loader drops the incomplete last batch (every device/rank needs its share):
@@ -557,8 +586,8 @@ def _train(args):
                                    last_batch="discard" if discard else "keep",
                                    num_workers=args.num_workers, device=devices[0], **shard)
     test_loader = data.DataLoader(test_set, 256, num_workers=args.num_workers, device=devices[0])
-    net = _model(args.model, size)
     opt_params = _opt_params(args)
+    args.started = True             # from here on an error is the run's, not the options'
     if len(devices) > 1:
         from .parallel import train_multi_device
         return train_multi_device(args, net, train_loader, test_loader, devices, opt_params)

@@ -3084,3 +3084,36 @@ def test_save_states_reads_every_state_at_one_point(tmp_path):
     with safe_open(path, "numpy") as f:
         counts = json.loads(f.metadata()["counts"])
     assert len(counts) == 4 and set(counts.values()) == {2}, counts
+
+
+def test_train_cli_batch_norm_batches_of_one_and_failures_after_the_start(monkeypatch, capsys):
+    """hybridl train with a BatchNorm model crashed after a whole epoch when the last batch
+    held one sample (BatchNorm cannot normalize one value per channel in training), and said
+    so as a usage error (exit 2, a pointer to --help). Now a one-sample last batch is left out
+    (a note says so), a batch of one per device is refused before training, and an error
+    raised once training has started exits 1 without the pointer to --help."""
+    from hybridl import train_cli
+    from hybridl.train_cli import main_train
+    epochs = []
+    real_fit = train_cli.fit
+
+    def fit(net, trainer, train_loader, *a, **k):
+        epochs.append(sum(x.shape[0] for x, _ in train_loader))
+        return real_fit(net, trainer, train_loader, *a, **k)
+    monkeypatch.setattr(train_cli, "fit", fit)
+    # 1438 Digits training images = 3 x 479 + 1
+    assert main_train(["--model", "resnet18", "--batch-size", "479", "--epochs", "1", "--quiet"]) == 0
+    assert epochs == [1437]
+    assert "1 sample" in capsys.readouterr().err
+    assert main_train(["--model", "resnet18", "--batch-size", "1", "--quiet"]) == 2
+    assert "at least 2 samples per batch" in capsys.readouterr().err
+    assert main_train(["--model", "resnet18", "--devices", "cpu:0,cpu:1", "--batch-size", "2",
+                       "--quiet"]) == 2
+    assert "per device" in capsys.readouterr().err
+
+    def fail(*a, **k):
+        raise ValueError("boom in epoch 3")
+    monkeypatch.setattr(train_cli, "fit", fail)
+    assert main_train(["--model", "mlp", "--epochs", "1", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "boom in epoch 3" in err and "--help" not in err
