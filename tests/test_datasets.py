@@ -7,6 +7,7 @@ import http.server
 import os
 import shutil
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -294,6 +295,57 @@ def test_download_corrupt_content(tmp_path, serve):
     with pytest.raises(DatasetError, match=r"t10k-images-idx3-ubyte\.gz from .*MD5"):
         MNIST(root=str(root), train=False, download=True, mirrors=[url], timeout=10)
     assert os.listdir(root) == []
+
+
+class _Trickle(_Quiet):
+    """Sends the file's bytes a few at a time, steadily (each read well within the socket
+    timeout, the whole file in hours)."""
+
+    def do_GET(self):
+        data = open(self.translate_path(self.path), "rb").read()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        try:
+            for i in range(0, len(data), 10):
+                self.wfile.write(data[i:i + 10])
+                self.wfile.flush()
+                time.sleep(0.05)
+        except OSError:             # the client gave up
+            pass
+
+
+@needs_mnist
+def test_download_gives_up_on_a_mirror_that_sends_too_slowly(tmp_path, serve):
+    """A steady trickle (200 bytes/s) never hit the per-read timeout: the download of a 1.6 MB
+    file went on for hours. At least 1 KiB per timeout is required now."""
+    url = serve(_copy_test_split(tmp_path / "srv"), handler=_Trickle)
+    root = tmp_path / "root"
+    t0 = time.monotonic()
+    with pytest.raises(DatasetError, match=r"too slow, \d+ bytes in the last 1 s"):
+        MNIST(root=str(root), train=False, download=True, mirrors=[url], timeout=1)
+    assert time.monotonic() - t0 < 10
+    assert os.listdir(root) == []
+
+
+@needs_mnist
+def test_download_of_uncompressed_files_keeps_their_name(tmp_path, serve):
+    """A mirror that serves the IDX data uncompressed (under the .gz URL) had it installed as a
+    .gz file that gzip tools refuse; it is kept under the uncompressed name (read as well)."""
+    srv = _copy_test_split(tmp_path / "srv")
+    for f in TEST_FILES:
+        (srv / f).write_bytes(gzip.decompress((srv / f).read_bytes()))
+    root = tmp_path / "root"
+    ds = MNIST(root=str(root), train=False, download=True, mirrors=[serve(srv)], timeout=10)
+    assert len(ds) == 10000
+    assert sorted(os.listdir(root)) == sorted(f[:-3] for f in TEST_FILES)
+
+
+def test_timeout_beyond_a_day_is_refused():
+    for bad in (1e10, 86401, 0, -1, float("nan"), True):
+        with pytest.raises(ValueError, match="timeout must be a number of seconds"):
+            MNIST(root="/nonexistent", train=False, download=True, mirrors=["http://x/"],
+                  timeout=bad)
 
 
 def test_download_fashion_checks_official_gz_md5(tmp_path, serve):

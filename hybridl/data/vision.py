@@ -32,6 +32,7 @@ import gzip
 import hashlib
 import os
 import threading
+import time
 import urllib.request
 import zlib
 
@@ -220,6 +221,11 @@ _CACHE = {}
 _CACHE_LOCK = threading.Lock()
 
 
+_MAX_TIMEOUT = 86400.0       # a socket timeout beyond ~1e9 s overflows the C time_t
+_MIN_BYTES = 1024            # a mirror must deliver this much per `timeout` seconds
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
 class _Resource:
     """One IDX file: name, expected shape, md5 of decompressed bytes and of the official .gz."""
 
@@ -248,8 +254,9 @@ class _Resource:
             got = _md5(data)
             if got != self.md5:
                 raise DatasetError(f"{where}: MD5 of the decompressed data is {got}, expected "
-                                   f"{self.md5} (corrupt or modified file; delete it and "
-                                   f"download again)")
+                                   f"{self.md5} " + ("(corrupt or not the official file)"
+                                                     if downloaded else "(corrupt or modified "
+                                                     "file; delete it and download again)"))
         arr = parse_idx(data, where)
         if arr.shape != self.shape:
             raise DatasetError(f"{where}: expected IDX array of shape {self.shape}, "
@@ -314,9 +321,10 @@ class _IDXImageDataset(ArrayDataset):
                              f"URLs when download=True, got {mirrors!r}")
         self.mirrors = mirrors
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
-                or not 0 < timeout < float("inf"):
-            raise ValueError(f"{type(self).__name__}: timeout must be a number of seconds > 0 "
-                             f"(per network request), got {timeout!r}")
+                or not 0 < timeout <= _MAX_TIMEOUT:
+            raise ValueError(f"{type(self).__name__}: timeout must be a number of seconds, > 0 "
+                             f"and at most {_MAX_TIMEOUT:.0f} (one day; per network request), "
+                             f"got {timeout!r}")
         self.timeout = float(timeout)
         img_res, lbl_res = self.resources["train" if train else "test"]
         if download:
@@ -406,9 +414,12 @@ class _IDXImageDataset(ArrayDataset):
                     raw = f.read()
                 res.verify(raw, f"{fname} from {url}", downloaded=True)
                 os.chmod(tmp, 0o644)
-                os.replace(tmp, dest)
+                # a mirror that served the IDX file uncompressed: kept under its own name
+                # (read as well), not as a .gz that gzip tools would refuse
+                to = dest if raw[:2] == _GZIP_MAGIC else os.path.join(self.root, res.fname)
+                os.replace(tmp, to)
                 tmp = None
-                return dest
+                return to
             except Exception as exc:  # URLError/HTTPError/timeouts (OSError), HTTPException,
                 errors.append(f"  {url}: {type(exc).__name__}: {exc}")  # DatasetError: next mirror
             finally:
@@ -432,12 +443,24 @@ class _IDXImageDataset(ArrayDataset):
                 fd = None
                 expected = resp.headers.get("Content-Length")
                 got = 0
-                while True:
-                    chunk = resp.read(1 << 20)
+                # a mirror that sends but too slowly (each read within the socket timeout, the
+                # whole file in hours) is given up: at least _MIN_BYTES per `timeout` seconds
+                window, at = time.monotonic(), 0
+                read = getattr(resp, "read1", resp.read)    # what has arrived (read() waits
+                while True:                                 # for the whole 1 MiB)
+                    chunk = read(1 << 20)
                     if not chunk:
                         break
                     out.write(chunk)
                     got += len(chunk)
+                    now = time.monotonic()
+                    if now - window >= self.timeout:
+                        if got - at < _MIN_BYTES:
+                            raise DatasetError(
+                                f"{fname} from {url}: too slow, {got - at} bytes in the last "
+                                f"{now - window:.0f} s (at least {_MIN_BYTES} per timeout="
+                                f"{self.timeout:g} s), {got} bytes in all")
+                        window, at = now, got
             if expected is not None and got != int(expected):
                 raise DatasetError(f"{fname} from {url}: truncated download, got {got} bytes "
                                    f"of {int(expected)}")
@@ -478,7 +501,8 @@ class MNIST(_IDXImageDataset):
             place with ``os.replace``; on failure the temp file is removed and the next mirror
             is tried.
         mirrors: base URLs tried in order (default: the usual public mirrors).
-        timeout: per-request network timeout in seconds (> 0).
+        timeout: per-request network timeout in seconds (> 0, at most 86400); a mirror
+            that delivers less than 1 KiB in that many seconds is given up too.
 
     Samples: ``(image float32 (1, 28, 28) in [0, 1], label int32)``.
     Attributes: ``images`` float32 ``(N, 1, 28, 28)``, ``labels`` int32 ``(N,)``.
