@@ -51,13 +51,35 @@ def _default_sigint():
     import signal
     try:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if _TERMINATED:                # likewise a second SIGTERM
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
     except ValueError:                 # not the main thread: leave it
         pass
 
 
+_TERMINATED = []
+
+
+def _sigterm_as_interrupt():
+    """SIGTERM (``kill``, ``timeout``, a batch system ending the job) stops a command as
+    Ctrl-C does, through the same clean-up (temporary files of downloads and ``--save``
+    removed, queued work dropped), then exits 143 (128 + SIGTERM); its default action ended
+    the process at once and left them behind."""
+    import signal
+
+    def handler(signum, frame):
+        _TERMINATED.append(signum)
+        raise KeyboardInterrupt
+    try:
+        signal.signal(signal.SIGTERM, handler)
+    except ValueError:                 # not the main thread (main() called from a thread)
+        pass
+
+
 def main(argv=None):
-    """Dispatch ``hybridl <command>``; returns the process exit code (2 for bad usage)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Dispatch ``hybridl <command>``; returns the process exit code (2 for bad usage, 130
+    after Ctrl-C, 143 after SIGTERM)."""
+    as_program, argv = argv is None, list(sys.argv[1:] if argv is None else argv)
     if not argv:                         # no command: usage on stderr, exit 2 (as argparse)
         print(_usage(), file=sys.stderr)
         return 2
@@ -76,6 +98,8 @@ def main(argv=None):
     if cmd not in COMMANDS:
         print(f"hybridl: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    if as_program:                     # the program's entry point (not a call from Python)
+        _sigterm_as_interrupt()
     try:                               # (the command's imports too: a Ctrl-C there)
         module = importlib.import_module(COMMANDS[cmd][0])
         entry = getattr(module, f"main_{cmd}", None) or module.main
@@ -86,6 +110,9 @@ def main(argv=None):
         _default_sigint()              # atomically: none is half-written); 128 + SIGINT
         from . import engine           # the queued work is dropped at exit, without the
         engine.interrupted()           # 2 s grace or a note (the user asked to stop)
+        if _TERMINATED:
+            print(f"\nhybridl {cmd}: terminated (SIGTERM)", file=sys.stderr)
+            return 143
         print(f"\nhybridl {cmd}: interrupted", file=sys.stderr)
         return 130                     # (as shell tools)
     except BrokenPipeError:            # `hybridl trace | head`: the reader left; stop quietly

@@ -839,7 +839,11 @@ def test_hybridl_without_a_command_prints_usage_and_exits_2(capsys):
     assert main(["--help"]) == 0
 
 
-def test_ctrl_c_ends_training_with_one_line_and_no_file(tmp_path):
+@pytest.mark.parametrize("sig, rc, said", [("SIGINT", 130, "interrupted"),
+                                            ("SIGTERM", 143, "terminated (SIGTERM)")])
+def test_ctrl_c_ends_training_with_one_line_and_no_file(tmp_path, sig, rc, said):
+    """Ctrl-C, and SIGTERM (kill, timeout, a batch system; its default action ended the
+    process without the clean-up) end a run with one line and no file left behind."""
     import signal
     save = tmp_path / "m.safetensors"
     p = _start("train", "--epochs", "200", "--save", str(save))
@@ -847,13 +851,13 @@ def test_ctrl_c_ends_training_with_one_line_and_no_file(tmp_path):
         line = p.stdout.readline()             # the run has started
         while line and "epoch" not in line:
             line = p.stdout.readline()
-        p.send_signal(signal.SIGINT)
+        p.send_signal(getattr(signal, sig))
         _, err = p.communicate(timeout=60)
     finally:
         if p.poll() is None:
             p.kill()
-    assert p.returncode == 130, err
-    assert "hybridl train: interrupted" in err and "Traceback" not in err, err
+    assert p.returncode == rc, err
+    assert f"hybridl train: {said}" in err and "Traceback" not in err, err
     assert os.listdir(tmp_path) == []          # no --save file, no temporary
 
 
