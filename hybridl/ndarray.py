@@ -228,7 +228,10 @@ class NDArray:
         """Asynchronous copy to a Device (returns the new array) or into an NDArray (returns it).
 
         The copy is an engine op on the copy queue of the destination, so it overlaps with
-        compute; reading the destination waits for it.
+        compute; reading the destination waits for it. Into an NDArray of another dtype the
+        values are cast to it, as MXNet's ``copyto`` and PyTorch's ``copy_`` do (NumPy's
+        ``astype`` rules: a float copied into an int array is truncated, one out of its range
+        is undefined, every nonzero becomes True in a bool array).
 
         Raises:
             ValueError: ``other`` is an NDArray of a different shape.

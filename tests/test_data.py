@@ -520,3 +520,30 @@ def test_a_failing_sample_says_which_one_and_non_numbers_are_named(workers):
     with pytest.raises(TypeError, match=r"DataLoader: a batch field holds ndarray of dtype <U1, "
                                         r"expected numbers"):
         list(DataLoader(SimpleDataset(["a", "b"]), 2, num_workers=workers))
+
+
+
+def test_a_kept_unfinished_iterator_does_not_delay_the_exit():
+    """``it = iter(loader); next(it)`` as a script's last use: the iterator's clean-up never
+    ran, so at exit its workers went on loading the batches in flight (a whole batch of slow
+    samples more). The exit hook now stops them between samples, before they are joined."""
+    from hybridl.data import dataloader
+    gate, loaded = threading.Event(), []
+
+    class Gated(Dataset):
+        def __len__(self):
+            return 100
+
+        def __getitem__(self, i):
+            if i >= 10:             # the batches after the first wait here
+                gate.wait(10)
+            loaded.append(i)
+            return np.float32(i), np.int64(i)
+    it = iter(DataLoader(Gated(), 10, num_workers=1, prefetch=2))
+    next(it)
+    time.sleep(0.2)                 # the worker is inside the second batch's first sample
+    dataloader._stop_all_at_exit()  # what the interpreter's exit runs first
+    gate.set()
+    time.sleep(0.5)
+    assert len(loaded) == 11        # the first batch and the sample under way, no more
+    it.close()

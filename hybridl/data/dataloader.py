@@ -20,10 +20,12 @@ transforms) are thread-safe: workers are threads that call it concurrently.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import numbers
 import threading
 import warnings
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -126,6 +128,22 @@ def _draw_seed():
                 except Exception:
                     pass
     return int(np.random.randint(0, 2 ** 31 - 1))
+
+
+_LIVE_STOPS = weakref.WeakSet()      # the stop Events of iterations under way
+
+
+def _stop_all_at_exit():
+    """At interpreter exit, before the worker threads are joined: stop every loading still
+    under way. An iterator kept but not finished (``it = iter(loader); next(it)`` as a
+    script's last use) never runs its ``finally``, so its workers went on loading the batches
+    in flight, which delayed the exit by that long."""
+    for stop in list(_LIVE_STOPS):
+        stop.set()
+
+
+# (threading's exit hooks run before the executor's, which joins its threads; atexit's after)
+getattr(threading, "_register_atexit", atexit.register)(_stop_all_at_exit)
 
 
 class DataLoader:
@@ -337,6 +355,7 @@ class DataLoader:
         pool = ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix="hybridl-data")
         pending = collections.deque()
         stop = threading.Event()
+        _LIVE_STOPS.add(stop)
         it = iter(batches)
         try:
             for bidx in it:
