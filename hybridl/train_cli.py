@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 
+from ._argparse import Parser, usage_error
 from ._io import probe_write as _probe_write
 
 __all__ = ["main", "build_parser", "fit", "evaluate"]
@@ -19,9 +20,7 @@ __all__ = ["main", "build_parser", "fit", "evaluate"]
 _DATASETS = ("digits", "mnist", "fashion-mnist")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):                 # short message (no usage block), exit code 2
-        self.exit(2, f"{self.prog}: error: {message}\n(the options: {self.prog} --help)\n")
+_Parser = Parser           # short message (no usage block), exit code 2
 
 
 def _positive_int(s):
@@ -410,8 +409,7 @@ def _digits_data_option(args):
 
 def _usage_error(msg):
     """Print ``msg`` as ``hybridl train``'s error with the pointer to --help; exit code 2."""
-    print(f"hybridl train: error: {msg}\n(the options: hybridl train --help)", file=sys.stderr)
-    return 2
+    return usage_error("hybridl train", msg)
 
 
 def main_train(argv=None):
@@ -587,9 +585,10 @@ def _train(args):
                                    num_workers=args.num_workers, device=devices[0], **shard)
     test_loader = data.DataLoader(test_set, 256, num_workers=args.num_workers, device=devices[0])
     opt_params = _opt_params(args)
-    args.started = True             # from here on an error is the run's, not the options'
+    optim.create(args.optimizer, **opt_params)      # its settings checked (--momentum 5)
     if len(devices) > 1:
         from .parallel import train_multi_device
+        args.started = True         # from here on an error is the run's, not the options'
         return train_multi_device(args, net, train_loader, test_loader, devices, opt_params)
     net.initialize(device=devices[0])
     if multi:
@@ -615,6 +614,7 @@ def _train(args):
         if busy:
             print(busy, file=sys.stderr, flush=True)
     t0 = time.perf_counter()
+    args.started = True             # from here on an error is the run's, not the options'
     hist = fit(net, trainer, train_loader, test_loader, args.epochs,
                progress=not args.quiet and sys.stderr.isatty(), rank0=rank0,
                lr_schedule=lr_schedule(args, len(train_loader)),

@@ -3117,3 +3117,4 @@ def test_train_cli_batch_norm_batches_of_one_and_failures_after_the_start(monkey
     assert main_train(["--model", "mlp", "--epochs", "1", "--quiet"]) == 1
     err = capsys.readouterr().err
     assert "boom in epoch 3" in err and "--help" not in err
+

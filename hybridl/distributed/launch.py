@@ -26,6 +26,8 @@ import signal
 import subprocess
 import sys
 
+from .._argparse import Parser, usage_error
+
 __all__ = ["main", "find_mpiexec", "shm_files", "remove_stale_shm", "unlink_own_shm"]
 
 _SHM = "/dev/shm"
@@ -138,7 +140,7 @@ def _flavour(mpiexec):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="hybridl launch",
         description="Run a command as N MPI processes (wraps mpiexec); returns its exit code.",
         epilog="example: hybridl launch -n 2 -- hybridl train --distributed")
@@ -148,7 +150,10 @@ def build_parser():
                         "'host slots=N' lines)")
     p.add_argument("--mpiexec", default=None, help="the mpiexec to use (default: found)")
     p.add_argument("--timeout", type=float, default=None,
-                   help="collective timeout in seconds (sets HYBRIDL_DIST_TIMEOUT)")
+                   help="collective timeout in seconds (sets HYBRIDL_DIST_TIMEOUT): a "
+                        "collective (allreduce, broadcast, ...) of the job that has not "
+                        "finished after this long aborts the whole job; it does not limit "
+                        "the job's run time")
     p.add_argument("--dry-run", action="store_true", help="print the mpiexec command only")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     return p
@@ -164,21 +169,17 @@ def main(argv=None):
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
-        p.print_usage(sys.stderr)
-        print("hybridl launch: error: no command given (e.g. hybridl launch -n 2 -- hybridl "
-              "train --distributed)", file=sys.stderr)
-        return 2
+        return usage_error("hybridl launch", "no command given (e.g. hybridl launch -n 2 -- "
+                           "hybridl train --distributed)")
     if args.n < 1:
-        print(f"hybridl launch: error: -n: expected a positive number of processes, got {args.n}",
-              file=sys.stderr)
-        return 2
+        return usage_error("hybridl launch", f"-n: expected a positive number of processes, "
+                           f"got {args.n}")
     if args.timeout is not None:
         from ._backend import check_seconds     # the rule HYBRIDL_DIST_TIMEOUT is read with
         try:
             check_seconds(args.timeout, "--timeout")
         except ValueError as e:
-            print(f"hybridl launch: error: {e}", file=sys.stderr)
-            return 2
+            return usage_error("hybridl launch", e)
     mpiexec = find_mpiexec(args.mpiexec)
     if args.dry_run and (not mpiexec or not os.path.exists(mpiexec)):
         print("hybridl launch: note: mpiexec not found; showing the command with 'mpiexec'",
@@ -199,9 +200,7 @@ def main(argv=None):
     full = [mpiexec, "-n", str(args.n)]
     if args.hostfile:
         if not os.path.isfile(args.hostfile):
-            print(f"hybridl launch: error: --hostfile: no such file: {args.hostfile!r}",
-                  file=sys.stderr)
-            return 2
+            return usage_error("hybridl launch", f"--hostfile: no such file: {args.hostfile!r}")
         full += (["--hostfile", args.hostfile] if _flavour(mpiexec) == "openmpi"
                  else ["-f", args.hostfile])
     full += cmd

@@ -412,8 +412,8 @@ def main(argv=None) -> int:
             except ValueError as e:
                 raise _UsageError(f"--plot: {e}") from None
     except _UsageError as e:
-        print(f"hybridl hw: error: {e}\n{parser.format_usage().strip()}", file=sys.stderr)
-        return 2
+        from .._argparse import usage_error
+        return usage_error("hybridl hw", e)
     except SystemExit as e:  # --help
         return int(e.code or 0)
     # a bar only on a terminal (as `hybridl train`): not into a log file or a pipe

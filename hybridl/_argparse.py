@@ -1,0 +1,22 @@
+"""The command-line commands' argument parser: a usage error is one short line naming the
+problem and a pointer to ``--help`` (exit code 2), the same for every ``hybridl`` command,
+instead of argparse's usage block."""
+import argparse
+import sys
+
+__all__ = ["Parser", "usage_error"]
+
+
+def usage_error(prog, message):
+    """Print ``prog: error: message`` and the pointer to ``prog --help`` on stderr; returns 2
+    (the exit code of a usage error)."""
+    print(f"{prog}: error: {message}\n(the options: {prog} --help)", file=sys.stderr)
+    return 2
+
+
+class Parser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose errors are :func:`usage_error`'s (exit code 2)."""
+
+    def error(self, message):
+        usage_error(self.prog, message)
+        self.exit(2)
