@@ -2638,7 +2638,7 @@ def test_train_step_with_nothing_to_train_warns():
 
 def test_mnist_timeout_is_checked():
     for bad in (None, 0, -5, float("nan"), "30"):
-        with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):
+        with pytest.raises(ValueError, match="timeout must be a number of seconds, > 0"):
             hl.data.MNIST(root=".", timeout=bad)
 
 
