@@ -3118,3 +3118,19 @@ def test_train_cli_batch_norm_batches_of_one_and_failures_after_the_start(monkey
     err = capsys.readouterr().err
     assert "boom in epoch 3" in err and "--help" not in err
 
+
+
+def test_constant_folding_leaves_a_failing_op_to_the_run():
+    """An op on constants whose kernel raises (an integer to a negative power) made
+    hl.compile raise a bare ValueError naming neither the op nor the pass; without the
+    pass the program fails when it runs. Now the same with the pass: folding skips it."""
+    S = hl.sym
+    x = S.var("x", shape=(2,))
+    bad = (S.const(np.array([1, 2])) ** S.const(np.array(-1))).astype("float32")
+    for passes in (None, []):
+        prog = hl.compile(x + bad, passes=passes)          # compiles
+        with pytest.raises(hl.OpError, match="negative integer powers"):
+            prog(np.ones(2, np.float32)).asnumpy()
+    prog = hl.compile(x + S.const(np.array([1.0, 2.0], np.float32)) * 2)   # folding still works
+    assert prog.graph.count() == 1
+    np.testing.assert_array_equal(prog(np.ones(2, np.float32)).asnumpy(), [3.0, 5.0])
