@@ -3134,3 +3134,23 @@ def test_constant_folding_leaves_a_failing_op_to_the_run():
     prog = hl.compile(x + S.const(np.array([1.0, 2.0], np.float32)) * 2)   # folding still works
     assert prog.graph.count() == 1
     np.testing.assert_array_equal(prog(np.ones(2, np.float32)).asnumpy(), [3.0, 5.0])
+
+
+def test_export_and_load_messages_name_the_argument_and_the_file_kind(tmp_path):
+    net = nn.Dense(2, in_units=3)
+    net.initialize()
+    tr = hl.Trainer(net.collect_params(), "adam", {"learning_rate": 0.1})
+    with ag.record():
+        loss = net(nd.ones((1, 3))).sum()
+    loss.backward()
+    tr.step(1)
+    states = str(tmp_path / "t.states")
+    tr.save_states(states)
+    with pytest.raises(ValueError, match="is a Trainer state file.*trainer.load_states"):
+        net.load_parameters(states)                     # was: "it lacks parameters [...]"
+    with pytest.raises(TypeError, match="export: prefix: expected a file path"):
+        net.export(3, nd.ones((1, 3)))
+    with pytest.raises(FileNotFoundError, match="export: prefix .*the folder .* does not exist"):
+        net.export(str(tmp_path / "nodir" / "m"), nd.ones((1, 3)))
+    with pytest.raises(IsADirectoryError, match="symbol_file: .* is a directory"):
+        nn.SymbolBlock.imports(str(tmp_path))           # as load_parameters on a folder

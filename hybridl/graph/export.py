@@ -97,16 +97,23 @@ def export(block, prefix, *example_inputs):
     Raises:
         RuntimeError: no example inputs and the block was never called hybridized.
         ValueError: an empty prefix or one naming a folder (ending in a separator).
-        TypeError: an example input that is neither an NDArray nor a NumPy array.
+        TypeError: ``prefix`` is not a path; an example input that is neither an NDArray nor a
+            NumPy array.
+        FileNotFoundError: the prefix's folder does not exist.
     """
     from safetensors.numpy import save_file
 
     from ..ndarray import NDArray
     from .hybrid import trace_graph
-    prefix = os.fspath(prefix)
+    from .._io import check_path
+    prefix = check_path(prefix, "export: prefix")
     if not prefix or prefix.endswith(("/", os.sep)) or os.path.basename(prefix) in ("", ".", ".."):
         raise ValueError(f"export: prefix must name files (e.g. 'model' writes model-symbol.json "
                          f"and model.safetensors), got {prefix!r}")
+    folder = os.path.dirname(prefix)
+    if folder and not os.path.isdir(folder):
+        raise FileNotFoundError(f"export: prefix {prefix!r}: the folder {folder!r} does not exist "
+                                f"(the files are written there)")
     args = list(example_inputs)
     if len(args) == 1 and isinstance(args[0], (list, tuple)):
         args = list(args[0])
@@ -161,14 +168,14 @@ def load_graph_json(path):
     """Read and validate a ``-symbol.json`` file.
 
     Raises:
-        FileNotFoundError; ValueError: not JSON, wrong format/version, unknown op, dangling
-        node reference (the message names the file and the problem).
+        FileNotFoundError; IsADirectoryError; ValueError: not JSON, wrong format/version,
+        unknown op, dangling node reference (the message names the file and the problem).
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"symbol_file: no such file: {path!r}")
     if os.path.isdir(path):
-        raise ValueError(f"symbol_file: {path!r} is a directory; expected the PREFIX-symbol.json "
-                         f"file written by net.export(PREFIX)")
+        raise IsADirectoryError(f"symbol_file: {path!r} is a directory; expected the "
+                                f"PREFIX-symbol.json file written by net.export(PREFIX)")
     try:
         with open(path) as f:
             doc = json.load(f)

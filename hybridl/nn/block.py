@@ -197,7 +197,7 @@ class Block:
             ValueError: the file is not a valid safetensors file, names are missing or extra
                 (unless allowed), or a shape or dtype differs — the message names them.
         """
-        from safetensors import SafetensorError
+        from safetensors import SafetensorError, safe_open
         from safetensors.numpy import load_file
 
         from .._io import check_file
@@ -206,9 +206,15 @@ class Block:
         path = check_file(path, "load_parameters: path")
         try:
             loaded = load_file(path)
+            with safe_open(path, "numpy") as f:
+                kind = (f.metadata() or {}).get("format")
         except (SafetensorError, OSError, ValueError, Exception) as e:  # noqa: BLE001
             raise ValueError(f"load_parameters: {path!r} is not a valid safetensors parameter "
                              f"file ({type(e).__name__}: {e})") from None
+        if kind == "hybridl-trainer":
+            raise ValueError(f"load_parameters: {path!r} is a Trainer state file (written by "
+                             f"Trainer.save_states), not parameters: load it with "
+                             f"trainer.load_states({path!r})")
         params = self.collect_params()
         missing = [n for n in params if n not in loaded]
         extra = [n for n in loaded if n not in params]
