@@ -44,6 +44,16 @@ def _start(*args, cwd=None):
                             stderr=subprocess.PIPE, text=True, env=_env(), cwd=cwd)
 
 
+def _signal_state(pid):
+    """The signal masks of process ``pid`` (blocked, ignored, caught: /proc/PID/status), for
+    a failed Ctrl-C test's message: a signal that never arrived tells them apart."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return " ".join(ln.strip() for ln in f if ln.startswith(("SigBlk", "SigIgn", "SigCgt")))
+    except OSError:
+        return "(no /proc status)"
+
+
 def _epochs(out):
     """Per-epoch (loss, train acc, test acc) as printed (samples/s varies and is left out)."""
     return [m.group(0) for m in EPOCH_RE.finditer(out)]
@@ -851,12 +861,13 @@ def test_ctrl_c_ends_training_with_one_line_and_no_file(tmp_path, sig, rc, said)
         line = p.stdout.readline()             # the run has started
         while line and "epoch" not in line:
             line = p.stdout.readline()
+        state = _signal_state(p.pid)
         p.send_signal(getattr(signal, sig))
         _, err = p.communicate(timeout=60)
     finally:
         if p.poll() is None:
             p.kill()
-    assert p.returncode == rc, err
+    assert p.returncode == rc, (err, state)
     assert f"hybridl train: {said}" in err and "Traceback" not in err, err
     assert os.listdir(tmp_path) == []          # no --save file, no temporary
 
@@ -872,6 +883,7 @@ def test_ctrl_c_with_a_long_queue_drops_it_at_once_and_says_one_line():
         while line and "hybridl train" not in line:
             line = p.stdout.readline()
         time.sleep(2.0)                         # the epoch is under way
+        state = _signal_state(p.pid)
         t0 = time.perf_counter()
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=60)
@@ -879,7 +891,7 @@ def test_ctrl_c_with_a_long_queue_drops_it_at_once_and_says_one_line():
     finally:
         if p.poll() is None:
             p.kill()
-    assert p.returncode == 130, err
+    assert p.returncode == 130, (err, state)
     # (a loaded machine adds the CLI's busy note, "note: this machine is busy ...", first)
     lines = [ln for ln in err.splitlines()
              if ln.strip() and not ln.startswith("note: this machine is busy")]
