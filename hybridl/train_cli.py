@@ -20,9 +20,6 @@ __all__ = ["main", "build_parser", "fit", "evaluate"]
 _DATASETS = ("digits", "mnist", "fashion-mnist")
 
 
-_Parser = Parser           # short message (no usage block), exit code 2
-
-
 def _positive_int(s):
     try:
         v = int(s)
@@ -64,7 +61,7 @@ _RUN_ONLY = ("--epochs", "--lr-schedule", "--devices", "--strategy", "--microbat
 def build_parser(prog="hybridl train", run_options=True):
     """The parser of ``hybridl train``; ``run_options=False`` leaves out the options of a
     whole run (``_RUN_ONLY``), for commands that record a few steps (``hybridl trace``)."""
-    p = _Parser(prog=prog, description="Train a model on a vision data set.")
+    p = Parser(prog=prog, description="Train a model on a vision data set.")
     add = p.add_argument
 
     def opt(*names, **kw):
@@ -648,7 +645,7 @@ def main_export(argv=None):
     ``hybridl export --params lenet.safetensors --out lenet-graph [--onnx lenet.onnx]``
     (``--out`` may not name the ``--params`` file: the export would replace the checkpoint).
     """
-    p = _Parser(prog="hybridl export", description="Export a model for use without its Python code.")
+    p = Parser(prog="hybridl export", description="Export a model for use without its Python code.")
     p.add_argument("--model", default="lenet", choices=("mlp", "lenet", "resnet18", "inception"))
     p.add_argument("--dataset", default="digits", choices=_DATASETS,
                    help="sets the input size the model was trained for (8x8 digits, 28x28 MNIST)")
