@@ -470,10 +470,10 @@ class TrainStep:
         # so that the random stream advances as in the loop (see hybrid.unused_draws)
         outs_kept = [net_out] if self._return_outputs else []
         dropped = unused_draws(ctx, [loss] + side_vals + outs_kept)
-        ns, nd = len(side_vals), len(dropped)
+        ns, n_drop = len(side_vals), len(dropped)
         g, extra = _substitute(joint, inputs + [hp], {cots[0].key(): ones},
                                side_vals + dropped + outs_kept)
-        side_vals, dropped, out_vals = extra[:ns], extra[ns:ns + nd], extra[ns + nd:]
+        side_vals, dropped, out_vals = extra[:ns], extra[ns:ns + n_drop], extra[ns + n_drop:]
         grads = g.outputs[1:]
         e = _Entry()
         upd, tokens = [], []
