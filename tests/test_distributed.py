@@ -130,6 +130,15 @@ def test_launch_errors(capsys, monkeypatch):
     assert capsys.readouterr().out.split()[1:] == ["-n", "3", "python", "x.py"]
 
 
+def test_shm_setting(monkeypatch):
+    for value, want in (("1", True), (" 0 ", False)):
+        monkeypatch.setenv("HYBRIDL_DIST_SHM", value)
+        assert dist._backend._env_shm() is want
+    monkeypatch.setenv("HYBRIDL_DIST_SHM", "yes")
+    with pytest.raises(ValueError, match="HYBRIDL_DIST_SHM: expected 0 or 1, got 'yes'"):
+        dist._backend._env_shm()
+
+
 def test_timeout_setting():
     old = dist.get_timeout()
     try:
@@ -157,6 +166,7 @@ from hybridl import distributed as dist, nn, autograd
 
 out, mode = sys.argv[1], sys.argv[2]
 rank, size = dist.init()
+dist._shm.MIN_BYTES = 0     # this test's tiny buckets through the shared windows too
 hl.random.seed(0)
 if mode == "eq":
     dims, steps, gb = (20, 32, 16, 10), 5, 32
@@ -179,6 +189,7 @@ X = rng.standard_normal((steps, gb, dims[0])).astype(np.float32)
 Y = rng.integers(0, dims[-1], (steps, gb)).astype(np.float32)
 lo, hi = rank * gb // size, (rank + 1) * gb // size
 prof = None
+kept, kept_np = [], []
 for s in range(steps):
     if mode == "overlap" and s == steps - 1:
         hl.waitall()
@@ -188,12 +199,15 @@ for s in range(steps):
         loss = loss_fn(net(x), y)
     loss.backward()
     trainer.step(hi - lo)
-    if s == 0:     # a gradient kept by the user must not change when later steps reuse buffers
-        kept = [p.grad().reshape(-1) for p in net.collect_params().values()]   # views
-        kept_np = [k.asnumpy() for k in kept]
+    if s < 4:      # gradients kept by the user must not change when later steps reuse buffers
+        # (steps 0-2 hold the 3 shared windows of each bucket; steps 3-4 fall back to MPI)
+        kept += [p.grad().reshape(-1) for p in net.collect_params().values()]   # views
+        kept_np += [k.asnumpy() for k in kept[len(kept_np):]]
 hl.waitall()
 for k, v in zip(kept, kept_np):
     assert np.array_equal(k.asnumpy(), v), "a kept gradient changed"
+if kv is not None and mode == "eq":
+    print("windows", max((len(b.arrays) for b in kv._shared.values()), default=0))
 if prof is not None:
     prof.stop()
 if rank == 0:
@@ -300,16 +314,29 @@ def _single(args, timeout=60):
 
 
 @mpi
-def test_two_ranks_train_like_one_process_on_the_global_batch(tmp_path):
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_ranks_train_like_one_process_on_the_global_batch(tmp_path, ranks):
+    """Through the shared-memory buckets (all ranks on this machine) and through
+    MPI_Allreduce (HYBRIDL_DIST_SHM=0); 3 ranks (2 cores, oversubscribed) split each bucket
+    into 3 uneven blocks."""
     script = _script(tmp_path, "train.py", _TRAIN)
     single = _single([script, str(tmp_path / "single.npz"), "eq"])
     assert single.returncode == 0, single.stderr
-    out, _ = _mpirun([sys.executable, script, str(tmp_path / "dist.npz"), "eq"])
-    assert out.returncode == 0, out.stderr
-    a, b = np.load(tmp_path / "single.npz"), np.load(tmp_path / "dist.npz")
+    a = np.load(tmp_path / "single.npz")
     assert len(a.files) == 6
-    for k in a.files:
-        np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    got = {}
+    for shm in ("1", "0"):
+        out, _ = _mpirun([sys.executable, script, str(tmp_path / f"dist{shm}.npz"), "eq"],
+                         n=ranks, timeout=90, HYBRIDL_DIST_SHM=shm)
+        assert out.returncode == 0, out.stderr
+        # 3 windows per bucket when shared (then the fallback to MPI), none when not
+        assert f"windows {3 if shm == '1' else 0}" in out.stdout, out.stdout
+        got[shm] = np.load(tmp_path / f"dist{shm}.npz")
+        for k in a.files:
+            np.testing.assert_allclose(got[shm][k], a[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    if ranks == 2:                  # a0 + a1 either way: the same bits
+        for k in a.files:
+            np.testing.assert_array_equal(got["1"][k], got["0"][k], err_msg=k)
 
 
 @mpi

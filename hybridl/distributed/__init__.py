@@ -18,7 +18,8 @@ compute worker. The kvstore ``'dist'`` (= ``'dist_sync'``, :class:`DistKVStore`)
 parameters from rank 0 at init and all-reduces gradients in buckets (default 25 MB) in reverse
 layer order as soon as each bucket's gradients are ready (Li et al. 2020, "PyTorch
 Distributed: Experiences on Accelerating Data Parallel Training", section 3.2.3; Sergeev & Del
-Balso 2018, "Horovod").
+Balso 2018, "Horovod"); on one machine a bucket is summed through an MPI-3 shared-memory window
+(:mod:`hybridl.distributed._shm`, ``HYBRIDL_DIST_SHM=0`` to use ``MPI_Allreduce``).
 
 Without an MPI launcher (none of ``PMI_RANK``, ``OMPI_COMM_WORLD_RANK``, ``PMIX_RANK``,
 ``MPI_LOCALRANKID`` set) everything is a single process of size 1 and mpi4py is not imported

@@ -54,6 +54,8 @@ class _State:
         self.initialized = False
         self.mpi = None             # the mpi4py.MPI module (None: single process, no MPI)
         self.comm = None            # our own duplicate of COMM_WORLD
+        self.node = None            # the ranks sharing this machine's memory (size > 1 only)
+        self.shm = False            # all ranks on one machine, shared-window buckets on
         self.rank = 0
         self.size = 1
         self.local_rank = 0
@@ -88,6 +90,16 @@ def check_seconds(value, what):
 def _env_timeout():
     s = os.environ.get("HYBRIDL_DIST_TIMEOUT", "").strip()
     return check_seconds(s, "HYBRIDL_DIST_TIMEOUT") if s else 60.0
+
+
+def _env_shm():
+    """``HYBRIDL_DIST_SHM``: ``1`` (default) sums gradient buckets through a shared-memory
+    window when all ranks are on one machine (:mod:`hybridl.distributed._shm`); ``0`` always
+    uses ``MPI_Allreduce``."""
+    s = os.environ.get("HYBRIDL_DIST_SHM", "1").strip()
+    if s not in ("0", "1"):
+        raise ValueError(f"HYBRIDL_DIST_SHM: expected 0 or 1, got {s!r}")
+    return s == "1"
 
 
 state = _State()
@@ -154,6 +166,12 @@ def init():
                         pass
                     break
             if st.size > 1:
+                # the ranks on this machine (collective: every rank calls init at its start)
+                want_shm = _env_shm()
+                st.node = st.comm.Split_type(MPI.COMM_TYPE_SHARED)
+                # every rank must take the same path: on only if it is on for all
+                st.shm = bool(st.comm.allreduce(int(want_shm and st.node.Get_size() == st.size),
+                                                op=MPI.MIN))
                 st.watchdog = threading.Thread(target=_watchdog, name="hybridl-dist-watchdog",
                                                daemon=True)
                 st.watchdog.start()

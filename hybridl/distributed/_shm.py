@@ -1,0 +1,133 @@
+"""Single-node allreduce through an MPI-3 shared-memory window (the gradient buckets' fast path).
+
+When every rank of the job runs on one machine (``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``
+gives the whole job), a bucket is summed through memory that all ranks map
+(``MPI_Win_allocate_shared``) instead of by ``MPI_Allreduce``:
+
+1. every rank writes its packed gradients into its own row of an ``(N, m)`` shared array (the
+   pack into a contiguous buffer that ``MPI_Allreduce`` needs as well);
+2. ``MPI_Barrier``;
+3. rank ``r`` sums column block ``r`` (about ``m / N`` elements, cache-line aligned) over the
+   ``N`` rows, in rank order, and writes the sum into that block of every row;
+4. ``MPI_Barrier``: every row now holds the whole sum, and rank ``r`` hands out views of row ``r``.
+
+This is the reduce-scatter / allgather allreduce (Thakur, Rabenseifner & Gropp 2005,
+"Optimization of Collective Communication Operations in MPICH", section 4) with both phases done
+by loads and stores into the shared window: each element is read ``N`` times and written ``N``
+times in all, with no copies through MPI's own shared-memory cells. Measured on the 2-core
+development VM (2 ranks, a 2 MB bucket packed from 6 arrays): 0.23 ms against 0.54 ms for the
+pack plus ``MPI_Allreduce``; buckets under :data:`MIN_BYTES` keep ``MPI_Allreduce``, which is
+faster for small messages (``benchmarks/distributed.py``, section 2, prints both). With 2 ranks the sum is
+``a0 + a1``, bitwise what ``MPI_Allreduce`` gives; with more, the order is fixed (rank order),
+so runs are reproducible.
+
+MPI stays the transport and the synchronization (the window, the barriers, the memory model:
+``MPI_Win_sync`` around each barrier inside a ``MPI_Win_lock_all`` epoch, the "separate"
+model's rule, MPI 3.1 section 11.7), and every call is made on the communication thread in push
+order, like any collective (:mod:`hybridl.distributed._backend`), so the watchdog still ends a
+job whose rank died inside a barrier.
+
+Buffer reuse: a row's views are the gradients the Trainer updates from, so a window is reused
+only when no rank still holds a view of its own row. The ranks agree on that in the step's first
+call (an ``MPI_Allreduce`` MAX of each rank's busy flags, with the bucket length so that ranks
+with different layouts raise instead of writing past a row); a bucket has at most
+:data:`POOL_MAX` windows, and when all are held the caller falls back to ``MPI_Allreduce`` on a
+private buffer.
+"""
+import sys
+
+import numpy as np
+
+from ._backend import DistributedError
+
+__all__ = ["SharedBuckets", "POOL_MAX", "MIN_BYTES"]
+
+POOL_MAX = 3
+#: Smaller buckets use ``MPI_Allreduce``: this path's fixed cost (the flag exchange, two
+#: barriers, Python) is ~20 us against MPI's 4-14 us up to 16 KB, while from 256 KB up it is
+#: 2.5-2.8x faster (2 ranks, development VM; ``benchmarks/distributed.py``, section 2).
+MIN_BYTES = 32 * 1024
+_ALIGN = 16                     # elements: a 64-byte cache line of float32
+
+
+class SharedBuckets:
+    """The shared windows of one bucket: ``(N, m)`` arrays of ``dtype`` on the node communicator.
+
+    Args:
+        node: the node-local communicator (every rank of the job).
+        mpi: the ``mpi4py.MPI`` module.
+        m (int): elements per row (the bucket plus its check elements).
+        dtype: NumPy dtype of the row.
+    """
+
+    def __init__(self, node, mpi, m, dtype):
+        self.node, self.mpi, self.m, self.dtype = node, mpi, int(m), np.dtype(dtype)
+        self.rank, self.size = node.Get_rank(), node.Get_size()
+        self.wins, self.arrays = [], []
+
+    def _block(self, r):
+        m, n = self.m, self.size
+        lo = (r * m // n) // _ALIGN * _ALIGN if r else 0
+        hi = m if r == n - 1 else ((r + 1) * m // n) // _ALIGN * _ALIGN
+        return lo, hi
+
+    def acquire(self):
+        """A window that no rank holds a view of (collective on the node: every rank calls it
+        at the same point): its ``(N, m)`` array, or None when every window of the pool is
+        still held somewhere (the caller then uses ``MPI_Allreduce``).
+
+        Raises:
+            DistributedError: the ranks' bucket lengths differ (on every rank)."""
+        MPI = self.mpi
+        flags = np.zeros(2 + POOL_MAX, dtype=np.int64)
+        flags[0], flags[1] = self.m, -self.m
+        for i in range(len(self.arrays)):
+            # references: the list, getrefcount's argument -> 2 when no view of it is alive
+            flags[2 + i] = sys.getrefcount(self.arrays[i]) > 2
+        self.node.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
+        if flags[0] != self.m or -flags[1] != self.m:
+            raise DistributedError(
+                f"gradient bucket of {self.m} elements: the ranks' buckets have different "
+                f"lengths ({-flags[1]}..{flags[0]}): every rank must push the same arrays in the "
+                f"same order")
+        for i in range(len(self.arrays)):
+            if not flags[2 + i]:
+                return self.arrays[i]
+        if len(self.arrays) >= POOL_MAX:
+            return None
+        item = self.dtype.itemsize
+        nbytes = self.size * self.m * item if self.rank == 0 else 0
+        win = MPI.Win.Allocate_shared(nbytes, item, comm=self.node)
+        win.Lock_all(MPI.MODE_NOCHECK)
+        buf, _ = win.Shared_query(0)
+        # made straight on the buffer, so that every view's .base is this array (a reshape of
+        # np.frombuffer's result would make the views point past it, and hide them from acquire)
+        arr = np.ndarray((self.size, self.m), dtype=self.dtype, buffer=buf)
+        self.wins.append(win)
+        self.arrays.append(arr)
+        return arr
+
+    def _sync(self, arr):
+        win = self.wins[next(i for i, a in enumerate(self.arrays) if a is arr)]
+        win.Sync()
+        self.node.Barrier()
+        win.Sync()
+
+    def allreduce(self, arr):
+        """Sum the rows of ``arr`` (from :meth:`acquire`, this rank's row already written) into
+        every row; returns this rank's row (collective on the node)."""
+        self._sync(arr)
+        lo, hi = self._block(self.rank)
+        if hi > lo:
+            if self.size == 2:
+                dst = arr[self.rank, lo:hi]
+                np.add(arr[0, lo:hi], arr[1, lo:hi], out=dst)
+                arr[1 - self.rank, lo:hi] = dst
+            else:
+                acc = arr[0, lo:hi] + arr[1, lo:hi]
+                for s in range(2, self.size):
+                    acc += arr[s, lo:hi]
+                for s in range(self.size):
+                    arr[s, lo:hi] = acc
+        self._sync(arr)
+        return arr[self.rank]
