@@ -139,6 +139,23 @@ def test_shm_setting(monkeypatch):
         dist._backend._env_shm()
 
 
+def test_shared_windows_need_room_in_dev_shm(monkeypatch):
+    import types
+    from hybridl.distributed import _shm
+    mib = 2 ** 20
+
+    def fs(free_mib, total_mib):
+        return lambda path: types.SimpleNamespace(f_bavail=free_mib, f_frsize=mib,
+                                                  f_blocks=total_mib)
+    monkeypatch.setattr(os, "statvfs", fs(62, 64))      # Docker's default 64 MB /dev/shm
+    assert _shm.has_room(32 * mib)                      # 32 + 16 + 6.4 <= 62
+    assert not _shm.has_room(40 * mib)
+    monkeypatch.setattr(os, "statvfs", fs(1000, 12000))
+    assert not _shm.has_room(1 * mib)                   # the 10% margin: 1200 MiB
+    monkeypatch.setattr(os, "statvfs", lambda path: (_ for _ in ()).throw(FileNotFoundError()))
+    assert _shm.has_room(10 ** 12)                      # no /dev/shm: nothing to fill
+
+
 def test_timeout_setting():
     old = dist.get_timeout()
     try:
@@ -206,7 +223,7 @@ for s in range(steps):
 hl.waitall()
 for k, v in zip(kept, kept_np):
     assert np.array_equal(k.asnumpy(), v), "a kept gradient changed"
-if kv is not None and mode == "eq":
+if kv is not None and mode == "eq" and rank == 0:
     print("windows", max((len(b.arrays) for b in kv._shared.values()), default=0))
 if prof is not None:
     prof.stop()
@@ -500,6 +517,64 @@ def test_every_value_starts_as_rank_0s_or_the_first_step_says_why_not(tmp_path, 
     assert out.returncode == 0, out.stderr
     assert all(t.startswith("same True ") for t in res), res
     assert res[0] == res[1]                         # the same predictions
+
+
+_RETRAIN = """
+import sys
+import hybridl as hl
+from hybridl import distributed as dist, nn, autograd
+from hybridl.distributed import _shm
+rank, size = dist.init()
+net = nn.Sequential()
+net.add(nn.Dense(128, in_units=256, activation="relu"), nn.Dense(10, in_units=128))
+net.initialize()
+x, y = hl.nd.ones((4, 256)), hl.nd.zeros((4,))
+loss_fn = hl.loss.SoftmaxCrossEntropyLoss()
+for i in range(6):          # a new Trainer (and kvstore) on the same model, again and again
+    trainer = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore="dist")
+    with autograd.record():
+        loss = loss_fn(net(x), y)
+    loss.backward()
+    trainer.step(4)
+    hl.waitall()
+# one line per rank, in a file (two ranks' prints can interleave in mpiexec's stdout)
+with open(sys.argv[1] + str(rank), "w") as f:
+    f.write(f"windows {sum(len(w) for w, _ in _shm._POOLS.values())} "
+            f"buckets {len(trainer._kv.buckets)}")
+"""
+
+
+@mpi
+def test_new_trainers_on_the_same_model_reuse_the_shared_windows(tmp_path):
+    # each kvstore used to make its own windows, never freed: /dev/shm grew by the
+    # gradients' size times the ranks with every Trainer (a bus error once it was full)
+    script = _script(tmp_path, "retrain.py", _RETRAIN)
+    out, _ = _mpirun([sys.executable, script, str(tmp_path / "rank")])
+    assert out.returncode == 0, out.stderr
+    for r in (0, 1):
+        assert (tmp_path / f"rank{r}").read_text() == "windows 1 buckets 1"
+
+
+@mpi
+@pytest.mark.parametrize("var, value", [("HYBRIDL_DIST_SHM", "2"),
+                                        ("HYBRIDL_DIST_TIMEOUT", "abc")])
+def test_a_bad_setting_on_one_rank_stops_every_rank(tmp_path, var, value):
+    # the bad rank used to raise alone, before the others' first collective: they hung
+    script = _script(tmp_path, "hello.py", "from hybridl import distributed as dist\n"
+                                           "print('rank', dist.init()[0], 'started')\n")
+    t0 = time.perf_counter()
+    before = shm_files()
+    try:
+        out = subprocess.run([MPIEXEC, "-n", "1", sys.executable, script, ":", "-n", "1", "env",
+                              f"{var}={value}", sys.executable, script], env=_env(),
+                             capture_output=True, text=True, timeout=60)
+    finally:
+        remove_stale_shm(before)
+    assert out.returncode != 0
+    assert "started" not in out.stdout
+    assert f"{var}: expected" in out.stderr and repr(value) in out.stderr, out.stderr
+    assert "another rank has an invalid HYBRIDL_DIST_TIMEOUT or HYBRIDL_DIST_SHM" in out.stderr
+    assert time.perf_counter() - t0 < 30
 
 
 @mpi

@@ -61,7 +61,13 @@ class _State:
         self.local_rank = 0
         self.thread_level = None
         self.seq = itertools.count()
-        self.timeout = _env_timeout()
+        # a bad HYBRIDL_DIST_* value is raised by init() -- on every rank together (a rank
+        # that raised alone, before the others' first collective, would leave them hanging)
+        self.timeout, self.settings_error = 60.0, None
+        try:
+            self.timeout = _env_timeout()
+        except ValueError as e:
+            self.settings_error = e
         self.inflight = None        # (seq, name, nbytes, t_start) of the running collective
         self.watchdog = None
         self.lock = threading.Lock()
@@ -96,7 +102,7 @@ def _env_shm():
     """``HYBRIDL_DIST_SHM``: ``1`` (default) sums gradient buckets through a shared-memory
     window when all ranks are on one machine (:mod:`hybridl.distributed._shm`); ``0`` always
     uses ``MPI_Allreduce``."""
-    s = os.environ.get("HYBRIDL_DIST_SHM", "1").strip()
+    s = os.environ.get("HYBRIDL_DIST_SHM", "").strip() or "1"
     if s not in ("0", "1"):
         raise ValueError(f"HYBRIDL_DIST_SHM: expected 0 or 1, got {s!r}")
     return s == "1"
@@ -132,6 +138,12 @@ def init():
     with st.lock:
         if st.initialized:
             return st
+        errors = [st.settings_error] if st.settings_error is not None else []
+        want_shm = False
+        try:
+            want_shm = _env_shm()
+        except ValueError as e:
+            errors.append(e)
         if launched_under_mpi():
             try:
                 import mpi4py
@@ -152,6 +164,13 @@ def init():
                     f"{st.thread_level}; at least MPI_THREAD_SERIALIZED is needed (collectives run "
                     f"on the engine's communication thread)")
             st.comm = MPI.COMM_WORLD.Dup()
+            # every rank learns whether any rank's settings are bad, and all raise together
+            if not st.comm.allreduce(0 if errors else 1, op=MPI.MIN):
+                if errors:
+                    raise errors[0]
+                raise ValueError("hybridl.distributed: another rank has an invalid "
+                                 "HYBRIDL_DIST_TIMEOUT or HYBRIDL_DIST_SHM (its own message "
+                                 "names the value); every rank stops")
             try:                    # MPI errors raise (then abort with our message), not crash
                 st.comm.Set_errhandler(MPI.ERRORS_RETURN)
             except Exception:  # noqa: BLE001
@@ -167,7 +186,6 @@ def init():
                     break
             if st.size > 1:
                 # the ranks on this machine (collective: every rank calls init at its start)
-                want_shm = _env_shm()
                 st.node = st.comm.Split_type(MPI.COMM_TYPE_SHARED)
                 # every rank must take the same path: on only if it is on for all
                 st.shm = bool(st.comm.allreduce(int(want_shm and st.node.Get_size() == st.size),
@@ -175,6 +193,8 @@ def init():
                 st.watchdog = threading.Thread(target=_watchdog, name="hybridl-dist-watchdog",
                                                daemon=True)
                 st.watchdog.start()
+        elif errors:
+            raise errors[0]
         st.initialized = True
     return st
 

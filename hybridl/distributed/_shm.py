@@ -30,17 +30,23 @@ job whose rank died inside a barrier.
 Buffer reuse: a row's views are the gradients the Trainer updates from, so a window is reused
 only when no rank still holds a view of its own row. The ranks agree on that in the step's first
 call (an ``MPI_Allreduce`` MAX of each rank's busy flags, with the bucket length so that ranks
-with different layouts raise instead of writing past a row); a bucket has at most
-:data:`POOL_MAX` windows, and when all are held the caller falls back to ``MPI_Allreduce`` on a
-private buffer.
+with different layouts raise instead of writing past a row). Windows are kept for the process
+(``MPI_Win_free`` is collective, and ranks drop a kvstore at different moments) in one pool per
+bucket index, length and dtype that every kvstore of the process shares, at most :data:`POOL_MAX`
+windows each: a new Trainer on the same model reuses them. A new window is made only when the
+shared-memory file system (``/dev/shm``) has room for it plus a margin on every rank (MPI maps
+the window from there, and a write past a full tmpfs is a bus error); when every window of the
+pool is held, or there is no room, the caller falls back to ``MPI_Allreduce`` on a private
+buffer.
 """
+import os
 import sys
 
 import numpy as np
 
 from ._backend import DistributedError
 
-__all__ = ["SharedBuckets", "POOL_MAX", "MIN_BYTES"]
+__all__ = ["SharedBuckets", "POOL_MAX", "MIN_BYTES", "has_room"]
 
 POOL_MAX = 3
 #: Smaller buckets use ``MPI_Allreduce``: this path's fixed cost (the flag exchange, two
@@ -48,6 +54,23 @@ POOL_MAX = 3
 #: 2.5-2.8x faster (2 ranks, development VM; ``benchmarks/distributed.py``, section 2).
 MIN_BYTES = 32 * 1024
 _ALIGN = 16                     # elements: a 64-byte cache line of float32
+SHM_DIR = "/dev/shm"
+
+# (bucket index, elements per row, dtype) -> ([windows], [arrays]): every rank makes the same
+# windows in the same (collective) order, so the pools are alike on every rank
+_POOLS = {}
+
+
+def has_room(nbytes, path=None):
+    """Whether the shared-memory file system can take ``nbytes`` more (bytes) and keep a margin
+    of 16 MiB + 10% of its size for MPI and other programs. True where ``path`` (default
+    ``/dev/shm``) does not exist (no tmpfs of that name to fill up)."""
+    try:
+        st = os.statvfs(path or SHM_DIR)
+    except OSError:
+        return True
+    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    return free >= nbytes + 16 * 2 ** 20 + total // 10
 
 
 class SharedBuckets:
@@ -58,12 +81,14 @@ class SharedBuckets:
         mpi: the ``mpi4py.MPI`` module.
         m (int): elements per row (the bucket plus its check elements).
         dtype: NumPy dtype of the row.
+        index (int): the bucket's index in its kvstore's plan: the windows are shared with
+            every bucket of the process that has the same index, length and dtype.
     """
 
-    def __init__(self, node, mpi, m, dtype):
+    def __init__(self, node, mpi, m, dtype, index=0):
         self.node, self.mpi, self.m, self.dtype = node, mpi, int(m), np.dtype(dtype)
         self.rank, self.size = node.Get_rank(), node.Get_size()
-        self.wins, self.arrays = [], []
+        self.wins, self.arrays = _POOLS.setdefault((index, self.m, self.dtype.str), ([], []))
 
     def _block(self, r):
         m, n = self.m, self.size
@@ -79,11 +104,14 @@ class SharedBuckets:
         Raises:
             DistributedError: the ranks' bucket lengths differ (on every rank)."""
         MPI = self.mpi
-        flags = np.zeros(2 + POOL_MAX, dtype=np.int64)
+        item = self.dtype.itemsize
+        flags = np.zeros(3 + POOL_MAX, dtype=np.int64)
         flags[0], flags[1] = self.m, -self.m
+        # no room for another window on this rank (checked only while the pool may grow)
+        flags[2] = len(self.arrays) >= POOL_MAX or not has_room(self.size * self.m * item)
         for i in range(len(self.arrays)):
             # references: the list, getrefcount's argument -> 2 when no view of it is alive
-            flags[2 + i] = sys.getrefcount(self.arrays[i]) > 2
+            flags[3 + i] = sys.getrefcount(self.arrays[i]) > 2
         self.node.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
         if flags[0] != self.m or -flags[1] != self.m:
             raise DistributedError(
@@ -91,11 +119,10 @@ class SharedBuckets:
                 f"lengths ({-flags[1]}..{flags[0]}): every rank must push the same arrays in the "
                 f"same order")
         for i in range(len(self.arrays)):
-            if not flags[2 + i]:
+            if not flags[3 + i]:
                 return self.arrays[i]
-        if len(self.arrays) >= POOL_MAX:
+        if flags[2]:
             return None
-        item = self.dtype.itemsize
         nbytes = self.size * self.m * item if self.rank == 0 else 0
         win = MPI.Win.Allocate_shared(nbytes, item, comm=self.node)
         win.Lock_all(MPI.MODE_NOCHECK)

@@ -390,7 +390,7 @@ class DistKVStore(KVStore):
                 skey = (b.index, m, np.dtype(dt).str)
                 shared = self._shared.get(skey)
                 if shared is None:
-                    shared = self._shared[skey] = SharedBuckets(st.node, st.mpi, m, dt)
+                    shared = self._shared[skey] = SharedBuckets(st.node, st.mpi, m, dt, b.index)
                 rows = shared.acquire()
             buf = rows[st.node.Get_rank()] if rows is not None else \
                 _free_buffer(bufs.setdefault(b.index, []), m, dt)
