@@ -281,7 +281,8 @@ def main():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3, help="(1 rank, 2 ranks) pairs (default 3)")
-    p.add_argument("--sizes", type=int, nargs="*", default=None)
+    p.add_argument("--sizes", type=int, nargs="*", default=None,
+                   help="message sizes in bytes of the allreduce table (default 4 B to 64 MB)")
     p.add_argument("--batch", type=int, nargs="*", default=[],
                    help="also report the MLP at these per-rank batch sizes (extra rows 'mlp@B'; "
                         f"the default figures stay at {PER_RANK_BATCH} per rank)")
@@ -369,6 +370,8 @@ def main():
     sizes = [4 * 4 ** i for i in range(0, 13)]          # 4 B .. 64 MB
     if args.quick:
         sizes = sizes[::2]
+    if args.sizes:
+        sizes = args.sizes
     d = _run(mpiexec, 2, ["allreduce", "--trials", str(3 if args.quick else 5), "--sizes",
                           *map(str, sizes)] + (["--quick"] if args.quick else []))
     report["allreduce"] = d["allreduce"]

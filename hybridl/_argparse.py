@@ -10,7 +10,9 @@ __all__ = ["Parser", "usage_error"]
 def usage_error(prog, message):
     """Print ``prog: error: message`` and the pointer to ``prog --help`` on stderr; returns 2
     (the exit code of a usage error)."""
-    print(f"{prog}: error: {message}\n(the options: {prog} --help)", file=sys.stderr)
+    # one write: under mpiexec the ranks' messages would otherwise interleave mid-line
+    sys.stderr.write(f"{prog}: error: {message}\n(the options: {prog} --help)\n")
+    sys.stderr.flush()
     return 2
 
 

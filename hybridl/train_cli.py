@@ -315,6 +315,11 @@ class _SaveFailed(Exception):
     """The final --save write failed: exit 1 with one line (not a usage error)."""
 
 
+class _SettingError(Exception):
+    """A bad HYBRIDL_DIST_* environment variable: exit 2 with its one-line message (no
+    pointer to --help: it is not an option)."""
+
+
 def _opt_params(args):
     """The optimizer's hyper-parameters from --lr, --wd (else the optimizer's own: AdamW's is
     0.01) and --momentum (sgd; default 0.9); `hybridl train` and `hybridl trace` share it."""
@@ -462,6 +467,9 @@ def main_train(argv=None):
     except _SaveFailed as e:
         print(f"hybridl train: error: {e}", file=sys.stderr)
         return 1
+    except _SettingError as e:
+        sys.stderr.write(f"hybridl train: error: {e}\n")  # one write: ranks print at once
+        return 2
     except (FileNotFoundError, ValueError, OSError, RuntimeError) as e:
         from .data import DownloadError
         if isinstance(e, DownloadError):    # --download failed (the network, the mirrors):
@@ -510,7 +518,10 @@ def _train(args):
     dist = None
     if args.distributed:
         from . import distributed as dist
-        dist.init()
+        try:
+            dist.init()
+        except ValueError as e:     # a HYBRIDL_DIST_* setting (raised on every rank together)
+            raise _SettingError(str(e)) from None
     elif _launched_size() > 1:
         raise ValueError(f"this process is one of {_launched_size()} started by mpiexec, but "
                          f"--distributed is not given: each would train alone; add "

@@ -115,6 +115,12 @@ def test_launch_errors(capsys, monkeypatch):
     assert launch_main(["-n", "2", "--", "true"]) == 127
     assert "mpiexec not found" in capsys.readouterr().err
     monkeypatch.undo()
+    monkeypatch.setenv("HYBRIDL_MPIEXEC", "/nonexistent/mpiexec")   # not "install it"
+    assert launch_main(["-n", "2", "--", "true"]) == 127
+    err = capsys.readouterr().err
+    assert "HYBRIDL_MPIEXEC: no such program: '/nonexistent/mpiexec'" in err
+    assert "pip install" not in err
+    monkeypatch.delenv("HYBRIDL_MPIEXEC")
     for bad in ("0", "0.05", "inf", "nan"):
         assert launch_main(["-n", "2", "--timeout", bad, "--", "true"]) == 2
         assert "--timeout: expected seconds, a finite number >= 0.1" in capsys.readouterr().err
@@ -557,7 +563,8 @@ def test_new_trainers_on_the_same_model_reuse_the_shared_windows(tmp_path):
 
 @mpi
 @pytest.mark.parametrize("var, value", [("HYBRIDL_DIST_SHM", "2"),
-                                        ("HYBRIDL_DIST_TIMEOUT", "abc")])
+                                        ("HYBRIDL_DIST_TIMEOUT", "abc"),
+                                        ("HYBRIDL_DIST_BUCKET_MB", "abc")])
 def test_a_bad_setting_on_one_rank_stops_every_rank(tmp_path, var, value):
     # the bad rank used to raise alone, before the others' first collective: they hung
     script = _script(tmp_path, "hello.py", "from hybridl import distributed as dist\n"
@@ -573,8 +580,18 @@ def test_a_bad_setting_on_one_rank_stops_every_rank(tmp_path, var, value):
     assert out.returncode != 0
     assert "started" not in out.stdout
     assert f"{var}: expected" in out.stderr and repr(value) in out.stderr, out.stderr
-    assert "another rank has an invalid HYBRIDL_DIST_TIMEOUT or HYBRIDL_DIST_SHM" in out.stderr
+    assert "another rank has an invalid HYBRIDL_DIST_TIMEOUT, HYBRIDL_DIST_SHM or " \
+           "HYBRIDL_DIST_BUCKET_MB" in out.stderr
     assert time.perf_counter() - t0 < 30
+
+
+@mpi
+def test_hybridl_train_distributed_names_a_bad_setting_not_the_options(tmp_path):
+    hybridl = os.path.join(os.path.dirname(sys.executable), "hybridl")
+    out, _ = _mpirun([hybridl, "train", "--distributed"], n=1, HYBRIDL_DIST_BUCKET_MB="-1")
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("hybridl train: error: HYBRIDL_DIST_BUCKET_MB: expected a "
+                                  "positive finite number, got '-1'")
 
 
 @mpi

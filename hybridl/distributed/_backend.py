@@ -98,6 +98,24 @@ def _env_timeout():
     return check_seconds(s, "HYBRIDL_DIST_TIMEOUT") if s else 60.0
 
 
+def env_bucket_bytes(default_mb):
+    """``HYBRIDL_DIST_BUCKET_MB`` (MiB, a positive finite number; empty: ``default_mb``) in
+    bytes.
+
+    Raises:
+        ValueError: naming the variable and its value."""
+    s = os.environ.get("HYBRIDL_DIST_BUCKET_MB", "").strip()
+    if not s:
+        return int(default_mb * 2 ** 20)
+    try:
+        v = float(s)
+    except ValueError:
+        raise ValueError(f"HYBRIDL_DIST_BUCKET_MB: expected a positive number, got {s!r}") from None
+    if not 0 < v < float("inf"):
+        raise ValueError(f"HYBRIDL_DIST_BUCKET_MB: expected a positive finite number, got {s!r}")
+    return int(v * 2 ** 20)
+
+
 def _env_shm():
     """``HYBRIDL_DIST_SHM``: ``1`` (default) sums gradient buckets through a shared-memory
     window when all ranks are on one machine (:mod:`hybridl.distributed._shm`); ``0`` always
@@ -144,6 +162,10 @@ def init():
             want_shm = _env_shm()
         except ValueError as e:
             errors.append(e)
+        try:                        # read again by each DistKVStore; checked here on all ranks
+            env_bucket_bytes(1)
+        except ValueError as e:
+            errors.append(e)
         if launched_under_mpi():
             try:
                 import mpi4py
@@ -169,8 +191,9 @@ def init():
                 if errors:
                     raise errors[0]
                 raise ValueError("hybridl.distributed: another rank has an invalid "
-                                 "HYBRIDL_DIST_TIMEOUT or HYBRIDL_DIST_SHM (its own message "
-                                 "names the value); every rank stops")
+                                 "HYBRIDL_DIST_TIMEOUT, HYBRIDL_DIST_SHM or "
+                                 "HYBRIDL_DIST_BUCKET_MB (its own message names the value); "
+                                 "every rank stops")
             try:                    # MPI errors raise (then abort with our message), not crash
                 st.comm.Set_errhandler(MPI.ERRORS_RETURN)
             except Exception:  # noqa: BLE001

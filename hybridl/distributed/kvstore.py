@@ -31,7 +31,6 @@ The kvstore sums; the Trainer divides by ``num_workers`` as well as by the batch
 ``trainer.step(local_batch_size)`` averages over the global batch (as Horovod's
 DistributedTrainer does).
 """
-import os
 import sys
 
 import numpy as np
@@ -88,19 +87,6 @@ def _free_buffer(pool, n, dt):
     return buf
 
 
-def _env_bucket_bytes():
-    s = os.environ.get("HYBRIDL_DIST_BUCKET_MB", "").strip()
-    if not s:
-        return int(DEFAULT_BUCKET_MB * 2 ** 20)
-    try:
-        v = float(s)
-    except ValueError:
-        raise ValueError(f"HYBRIDL_DIST_BUCKET_MB: expected a positive number, got {s!r}") from None
-    if not 0 < v < float("inf"):
-        raise ValueError(f"HYBRIDL_DIST_BUCKET_MB: expected a positive finite number, got {s!r}")
-    return int(v * 2 ** 20)
-
-
 class DistKVStore(KVStore):
     """KVStore across MPI processes (see the module docstring).
 
@@ -122,7 +108,7 @@ class DistKVStore(KVStore):
         if kind not in ("dist", "dist_sync"):
             raise ValueError(f"kvstore: expected 'dist' or 'dist_sync', got {kind!r}")
         if bucket_mb is None:
-            self.bucket_bytes = _env_bucket_bytes()
+            self.bucket_bytes = _backend.env_bucket_bytes(DEFAULT_BUCKET_MB)
         else:
             if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not \
                     0 < bucket_mb < float("inf"):

@@ -189,6 +189,12 @@ def main(argv=None):
         print(f"hybridl launch: error: --mpiexec: no such program: {args.mpiexec!r}",
               file=sys.stderr)
         return 127
+    elif os.environ.get("HYBRIDL_MPIEXEC") and not args.mpiexec and \
+            (not mpiexec or not os.path.exists(mpiexec)):
+        print(f"hybridl launch: error: HYBRIDL_MPIEXEC: no such program: "
+              f"{os.environ['HYBRIDL_MPIEXEC']!r} (unset it to use the mpiexec found next to "
+              f"Python or on PATH)", file=sys.stderr)
+        return 127
     elif not mpiexec or not os.path.exists(mpiexec):
         print("hybridl launch: error: mpiexec not found (looked at --mpiexec, $HYBRIDL_MPIEXEC, "
               f"{os.path.dirname(sys.executable)}, the mpich wheel and PATH). Install it with "
