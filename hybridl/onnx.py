@@ -144,7 +144,10 @@ def _promoted(node):
 
 def _compare(op_type, negate=False):
     def conv(c, node, ins, outs):
-        xs = _cast_ins(c, node, ins, _promoted(node))
+        # NumPy's promotion, as the kernels compare: int32/int64 against float32 in float64
+        # (in float32, 16777217 > 16777216.0 is False: hybridl's arithmetic promotion would
+        # round the int)
+        xs = _cast_ins(c, node, ins, np.promote_types(_in_dt(node, 0), _in_dt(node, 1)))
         if negate:
             c.node("Not", [c.one(op_type, xs)], outs)
         else:
@@ -242,7 +245,17 @@ def _conv_fc_plain(c, node, x_sym, dt, x, w, b, flatten, outs):
 
 
 def _conv_matmul(c, node, ins, outs):
-    c.node("MatMul", _cast_ins(c, node, ins, _out_dt(node)), outs)
+    xs = _cast_ins(c, node, ins, _out_dt(node))
+    ra, rb = len(node.inputs[0].shape), len(node.inputs[1].shape)
+    if ra >= 2 and rb == 1:
+        # (..., m, k) @ (k,) as (..., m, k) @ (k, 1), then drop the 1: onnxruntime 1.32's
+        # optimized graph computes Transpose -> MatMul(2-D, 1-D) wrongly (off by ~1 for a
+        # (3, 4) @ (4,) product; right with its optimizations off)
+        col = c.one("Unsqueeze", [xs[1], c.const(np.asarray([1], np.int64))])
+        c.node("Squeeze", [c.one("MatMul", [xs[0], col]), c.const(np.asarray([-1], np.int64))],
+               outs)
+        return
+    c.node("MatMul", xs, outs)
 
 
 def _conv_conv2d(c, node, ins, outs):
@@ -694,6 +707,8 @@ def export(net, sample_input, path, opset=17):
       result differs.
     - ``relu`` of an integer array exports, but onnxruntime (1.2x) has no integer Relu kernel
       and refuses to load the model: cast to float first.
+    - ``x ** 0.5`` (Pow): ``(-inf) ** 0.5`` is NaN and ``(-0.) ** 0.5`` is ``-0.`` in hybridl
+      (NumPy's ``sqrt`` rules); onnxruntime gives ``inf`` and ``+0.``.
     """
     args, path, onnx = _check_args(net, sample_input, path, opset)
     g, data_inputs, pvals = _trace(net, args)

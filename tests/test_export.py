@@ -326,6 +326,21 @@ def test_imported_block_returns_copies_of_inputs_and_parameters(tmp_path):
         np.testing.assert_array_equal(x.asnumpy(), np.ones((2, 3), np.float32))
 
 
+def test_imported_block_outputs_that_the_export_merged_are_separate_arrays(tmp_path):
+    class Two(nn.HybridBlock):
+        def forward(self, x):
+            return x * 2, x * 2          # two results, merged into one node by the export's CSE
+    x = nd.ones((2, 3))
+    sym, _ = Two().export(str(tmp_path / "two"), x)
+    blk = hl.nn.SymbolBlock.imports(sym)
+    for hyb in (False, True):
+        blk.hybridize(hyb)
+        a, b = blk(x)
+        assert a is not b
+        a[0, 0] = 99
+        np.testing.assert_array_equal(b.asnumpy(), np.full((2, 3), 2, np.float32))
+
+
 def test_models_with_scalar_constants_0d_parameters_and_dropout_round_trip(tmp_path):
     class Odd(nn.HybridBlock):
         def __init__(self):

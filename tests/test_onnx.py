@@ -147,6 +147,15 @@ CASES = {
                             *F.split(x, 2, axis=2), F.broadcast_to(x[:, :1], (2, 3, 4))), [A]),
     "compare_where": (lambda x, y: (F.where(x > y, x, y), x >= y, x == y, x != y, x < y,
                                     x <= y), [A, B]),
+    # int64 against float32 compares in float64, as NumPy does: in float32 16777217 rounds to
+    # 16777216 and > gave False
+    "compare_int_float": (lambda i, f: (i > f, i == f, i <= f),
+                          [np.array([16777217, 3, -2 ** 40], np.int64),
+                           np.array([16777216.0, 3.0, -2.0 ** 40], np.float32)]),
+    # (k,) on the right: onnxruntime's optimizer got Transpose -> MatMul(2-D, 1-D) wrong
+    "matmul_vector": (lambda m, v: (F.matmul(m.T, v), F.matmul(m, v[:3]), F.matmul(v, m)),
+                      [RNG.standard_normal((4, 3)).astype(np.float32),
+                       RNG.standard_normal(4).astype(np.float32)]),
     "integers": (lambda i: (i + 1, i * i, i / 2, F.sum(i, axis=0), F.mean(i, axis=1),
                             F.one_hot(i, 4), F.cast(i, "float32")), [INTS]),
     "take": (lambda x, i: (F.take(x, i, axis=1), F.take(x, i, axis=2, mode="wrap")), [A, INTS]),

@@ -341,6 +341,8 @@ def test_train_step_errors_name_the_argument():
         hl.TrainStep(net, lf, trainer, passes="plan_memory")
     with pytest.raises(TypeError, match="passes: expected pass names"):
         hl.TrainStep(net, lf, trainer, passes=[123])
+    with pytest.raises(ValueError, match="'gradient' extends the program's inputs"):
+        hl.TrainStep(net, lf, trainer, passes=["gradient"])   # at once, not at the first call
     x, y = nd.array(np.ones((4, 5), np.float32)), nd.array(np.arange(4))
     with pytest.raises(ValueError, match="batch_size: expected a positive finite number, got '8'"):
         hl.TrainStep(net, lf, trainer)(x, y, batch_size="8")
@@ -492,3 +494,41 @@ def test_threads_making_their_first_train_step_share_one_optimizer_state():
         t.join()
     hl.waitall()
     assert [s["t"] for s in tr._states.values()] == [2, 2]
+
+
+def test_float64_data_through_a_float32_batchnorm_keeps_float32_statistics(tmp_path):
+    """The statistics stay in their parameters' dtype, rounded as the loop's assignment rounds
+    them (TrainStep stored the float64 values it computed: the parameter said float32, its
+    array was float64, and saved or exported files no longer loaded)."""
+    def net_():
+        net = nn.HybridSequential()
+        net.add(nn.Dense(4, in_units=3, dtype="float64"), nn.BatchNorm(in_channels=4))
+        net.initialize()
+        return net
+    rng = np.random.default_rng(0)
+    batches = [(rng.random((5, 3)), np.zeros((5, 4))) for _ in range(3)]
+    stats = {}
+    for compiled in (False, True):
+        hl.random.seed(0)
+        net = net_()
+        tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+        loss_fn = hl.loss.L2Loss()
+        step = hl.TrainStep(net, loss_fn, tr) if compiled else None
+        for x, y in batches:
+            x, y = nd.array(x), nd.array(y)
+            if compiled:
+                step(x, y)
+            else:
+                with autograd.record():
+                    loss = loss_fn(net(x), y)
+                loss.backward()
+                tr.step(5)
+        bn = net[1]
+        for p in (bn.running_mean, bn.running_var):
+            assert p.data().asnumpy().dtype == np.float32 == p.dtype
+        stats[compiled] = [p.data().asnumpy() for p in (bn.running_mean, bn.running_var)]
+        path = tmp_path / f"net{compiled}.safetensors"
+        net.save_parameters(str(path))
+        net_().load_parameters(str(path))       # loads without cast_dtype
+    for a, b in zip(stats[False], stats[True]):
+        np.testing.assert_array_equal(a, b)

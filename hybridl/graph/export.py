@@ -512,5 +512,11 @@ class SymbolBlock(_get_block_base()):
         kinds = {n["id"]: n["kind"] for n in doc["nodes"]}
         # an output that is an input, a parameter or a constant is handed out as a copy (as a
         # hybridized block's outputs are): never this block's own storage or the caller's array
-        outs = [_copy(vals[(i, j)]) if kinds[i] != "op" else vals[(i, j)] for i, j in doc["outputs"]]
+        # and a value returned twice (the export's passes merge equal results) is a copy the
+        # second time: the outputs never alias each other
+        outs, seen = [], set()
+        for i, j in doc["outputs"]:
+            v = vals[(i, j)]
+            outs.append(_copy(v) if kinds[i] != "op" or (i, j) in seen else v)
+            seen.add((i, j))
         return outs[0] if doc.get("single_output", len(outs) == 1) else tuple(outs)

@@ -400,6 +400,8 @@ class TrainStep:
             elif not callable(p):
                 raise TypeError(f"passes: expected pass names or functions Graph -> Graph, got "
                                 f"{type(p).__name__} {p!r}")
+        from .passes import check_passes
+        check_passes(list(self._passes))    # ('gradient' is hl.compile's only), as hybridize
         self._fuse_updates = bool(fuse_updates)
         self._cache = _Cache()
         self._last = None
@@ -619,7 +621,9 @@ class TrainStep:
                 st["t"] = hp[k][2]
             loss._data = res[0]
             for s, v in zip(side_nd, res[1 + n_tok:]):
-                s._data = v
+                # in the statistic's own dtype, as the loop's assignment casts (float64 data
+                # through a float32 BatchNorm gives float64 statistics)
+                s._data = v if v.dtype == s.dtype else v.astype(s.dtype)
             if out is not None:
                 out._data = res[-1]
 
