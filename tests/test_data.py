@@ -1,5 +1,7 @@
 """Tests for hybridl.data: Dataset / ArrayDataset / transforms / DataLoader."""
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -547,3 +549,31 @@ def test_a_kept_unfinished_iterator_does_not_delay_the_exit():
     time.sleep(0.5)
     assert len(loaded) == 11        # the first batch and the sample under way, no more
     it.close()
+
+
+def test_a_loader_iterated_in_a_thread_that_outlives_the_main_thread(tmp_path):
+    """The exit hook (run when the main thread ends) stopped the workers of a loader still
+    iterated by another, non-daemon thread, which then got None batches (TypeError), or the
+    executor refused new work after shutdown (RuntimeError). The rest now loads in that
+    thread: every sample, in order."""
+    script = tmp_path / "bg.py"
+    script.write_text(
+        "import threading, time\n"
+        "import numpy as np\n"
+        "from hybridl.data import DataLoader, Dataset\n"
+        "class Slow(Dataset):\n"
+        "    def __len__(self): return 60\n"
+        "    def __getitem__(self, i):\n"
+        "        time.sleep(0.002)\n"
+        "        return np.float32(i)\n"
+        "def train():\n"
+        "    seen = []\n"
+        "    for ep in range(3):\n"
+        "        for (x,) in DataLoader(Slow(), 4, num_workers=2):\n"
+        "            seen += x.asnumpy().tolist()\n"
+        "    print('samples', len(seen), seen == list(range(60)) * 3)\n"
+        "threading.Thread(target=train).start()   # the main thread returns at once\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "samples 180 True"

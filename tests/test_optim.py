@@ -647,3 +647,34 @@ def test_loss_batch_axis_counts_from_the_end_and_is_checked():
     y = hl.nd.array(np.array([0, 1, 2, 3], np.float32))
     with pytest.raises(ValueError, match="batch_axis 4 is out of range"):
         hl.loss.SoftmaxCrossEntropyLoss(batch_axis=4)(logits, y)
+
+
+def test_load_states_refuses_a_file_of_a_trainer_over_fewer_parameters(tmp_path):
+    """A file saved by a trainer over the first layer, loaded by one over the whole net,
+    silently dropped the second layer's momentum. A parameter the saving trainer had but
+    had not updated yet (no state) is still reset, as in the saved run."""
+    net = nn.Sequential()
+    net.add(nn.Dense(4, in_units=3), nn.Dense(2, in_units=4))
+    net.initialize()
+    x = hl.nd.array(np.ones((2, 3), np.float32))
+
+    def step(tr, loss_of=lambda y: y.sum()):
+        with autograd.record():
+            loss = loss_of(net(x))
+        loss.backward()
+        tr.step(2, ignore_stale_grad=True)
+    kw = {"learning_rate": 0.1, "momentum": 0.9}
+    first = optim.Trainer(net.collect_params("0\\."), "sgd", kw)
+    step(first)
+    first.save_states(str(tmp_path / "first.states"))
+    full = optim.Trainer(net.collect_params(), "sgd", kw)
+    step(full)
+    with pytest.raises(ValueError, match=r"saved by a trainer without the parameters "
+                                         r"\['1.weight', '1.bias'\]"):
+        full.load_states(str(tmp_path / "first.states"))
+    assert len(full._states) == 4                   # nothing changed
+    # the whole net's trainer, saved before any update: every state reset on load
+    fresh = optim.Trainer(net.collect_params(), "sgd", kw)
+    fresh.save_states(str(tmp_path / "fresh.states"))
+    full.load_states(str(tmp_path / "fresh.states"))
+    assert full._states == {}

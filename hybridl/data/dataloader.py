@@ -357,22 +357,35 @@ class DataLoader:
         stop = threading.Event()
         _LIVE_STOPS.add(stop)
         it = iter(batches)
+
+        def submit(bidx):
+            if not stop.is_set():
+                try:
+                    return bidx, pool.submit(self._load, bidx, stop)
+                except RuntimeError:    # the main thread has ended: the executor takes no more
+                    pass
+            return bidx, None
         try:
             for bidx in it:
-                pending.append(pool.submit(self._load, bidx, stop))
+                pending.append(submit(bidx))
                 if len(pending) >= self.prefetch:
                     break
             while pending:
-                fut = pending.popleft()
-                batch = fut.result()
+                bidx, fut = pending.popleft()
+                batch = fut.result() if fut is not None else None
+                if batch is None:
+                    # not loaded by a worker: the main thread ended (the exit hook stopped the
+                    # workers) while this thread, still alive, goes on iterating: load it here
+                    batch = self._load(bidx)
                 nxt = next(it, None)  # keep `prefetch` batches in flight while the consumer works
                 if nxt is not None:
-                    pending.append(pool.submit(self._load, nxt, stop))
+                    pending.append(submit(nxt))
                 yield batch
         finally:
             stop.set()
-            for f in pending:
-                f.cancel()
+            for _, f in pending:
+                if f is not None:
+                    f.cancel()
             pool.shutdown(wait=False, cancel_futures=True)
 
     def __iter__(self):

@@ -20,6 +20,41 @@ from ..graph.trace import STRUCTURE_VERSION  # noqa: E402  (bumped when a child 
 from ..graph.trace import _tls as _TRACE  # noqa: E402  (.ctx: the trace running in this thread)
 
 
+def _load_bfloat16_file(path):
+    """The tensors of a safetensors file that holds bfloat16 ones (NumPy has no bfloat16, so
+    ``safetensors.numpy`` cannot read it): ``(arrays, names of the bfloat16 ones)``, those
+    widened to float32 exactly (a bfloat16 is the top 16 bits of a float32). Format: an 8-byte
+    little-endian header length, a JSON header of ``{name: {dtype, shape, data_offsets}}``,
+    then the data (https://github.com/huggingface/safetensors, "Format").
+
+    Raises:
+        ValueError: a malformed file or a dtype NumPy cannot hold."""
+    import json
+    import struct
+    kinds = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2",
+             "I8": "i1", "U8": "u1", "U16": "<u2", "U32": "<u4", "U64": "<u8", "BOOL": "?"}
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        data = f.read()
+    out, bf16 = {}, []
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        lo, hi = t["data_offsets"]
+        raw = data[lo:hi]
+        shape = tuple(t["shape"])
+        if t["dtype"] == "BF16":
+            bits = np.frombuffer(raw, "<u2").astype(np.uint32) << 16
+            out[name] = bits.view(np.float32).reshape(shape)
+            bf16.append(name)
+        elif t["dtype"] in kinds:
+            out[name] = np.frombuffer(raw, kinds[t["dtype"]]).reshape(shape).copy()
+        else:
+            raise ValueError(f"tensor {name!r} has dtype {t['dtype']}, which NumPy cannot hold")
+    return out, bf16
+
+
 def _cast_keeping_values(val, dtype, name, path):
     """``val.astype(dtype)`` for load_parameters(cast_dtype=True); ValueError when that changes
     a value beyond float rounding (overflow to inf, a fraction or an out-of-range number into
@@ -189,7 +224,8 @@ class Block:
         ``cast_dtype=True`` converts a tensor of another dtype to the parameter's (as MXNet's
         option of that name), refusing conversions that do not keep the values (float overflow
         to inf, fractions or out-of-range numbers into integers); by default a dtype that
-        differs is an error.
+        differs is an error. bfloat16 tensors (PyTorch's files), which NumPy cannot hold, are
+        read as float32 (exactly) and count as another dtype.
 
         Raises:
             TypeError: ``path`` is not a file path.  FileNotFoundError: no such file.
@@ -204,10 +240,16 @@ class Block:
         if not isinstance(cast_dtype, (bool, np.bool_)):
             raise TypeError(f"load_parameters: cast_dtype must be True or False, got {cast_dtype!r}")
         path = check_file(path, "load_parameters: path")
+        bf16 = []
         try:
-            loaded = load_file(path)
             with safe_open(path, "numpy") as f:
                 kind = (f.metadata() or {}).get("format")
+            try:
+                loaded = load_file(path)
+            except TypeError as e:          # NumPy has no bfloat16 (a file PyTorch wrote)
+                if "bfloat16" not in str(e):
+                    raise
+                loaded, bf16 = _load_bfloat16_file(path)
         except (SafetensorError, OSError, ValueError, Exception) as e:  # noqa: BLE001
             raise ValueError(f"load_parameters: {path!r} is not a valid safetensors parameter "
                              f"file ({type(e).__name__}: {e})") from None
@@ -246,11 +288,11 @@ class Block:
             if name not in loaded:
                 continue
             val = loaded[name]
-            if val.dtype != p.dtype:
+            if val.dtype != p.dtype or name in bf16:
                 if not cast_dtype:
                     raise ValueError(f"load_parameters: parameter {name!r} is {p.dtype} in the "
-                                     f"network but {val.dtype} in {path!r} (pass cast_dtype=True "
-                                     f"to convert)")
+                                     f"network but {'bfloat16' if name in bf16 else val.dtype} "
+                                     f"in {path!r} (pass cast_dtype=True to convert)")
                 loaded[name] = _cast_keeping_values(val, p.dtype, name, path)
         for name, p in params.items():
             if name not in loaded:

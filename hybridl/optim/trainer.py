@@ -487,7 +487,10 @@ class Trainer:
         tensors, counts = self._snapshot_states()
         meta = {"format": "hybridl-trainer", "optimizer": type(self._optimizer).__name__,
                 "counts": json.dumps(counts), "num_update": str(self._optimizer.num_update),
-                "lr": repr(self._optimizer.lr)}
+                "lr": repr(self._optimizer.lr),
+                # every parameter of this trainer, with a state yet or not: load_states tells
+                # "no state yet" (reset) from "not a parameter of the saving trainer" (refused)
+                "params": json.dumps(list(self._names))}
         _atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
 
     def load_states(self, path):
@@ -505,8 +508,9 @@ class Trainer:
             IsADirectoryError: ``path`` is a directory.
             ValueError: a corrupt file or not a trainer state file; another optimizer or
                 other optimizer settings (a state array missing, e.g. SGD saved without
-                momentum); names in the file that are not parameters of this trainer (a
-                trainer over another set of parameters, or the model nested differently);
+                momentum); names in the file that are not parameters of this trainer, or
+                parameters of this trainer that the saving trainer did not have (a trainer
+                over another set of parameters, or the model nested differently);
                 a state array whose shape differs from its parameter's; a state array this
                 optimizer's settings do not use (momentum saved, loaded without); copies on
                 another number of devices that differ from each other.
@@ -545,6 +549,18 @@ class Trainer:
                 f"trainer (its parameters: {list(self._names)[:8]}"
                 f"{' ...' if len(self._names) > 8 else ''}); save and load with trainers over "
                 f"the same parameters, named alike")
+        try:                        # files of earlier versions do not list their parameters
+            listed = set(json.loads(meta["params"])) if "params" in meta else None
+        except (TypeError, ValueError):
+            raise ValueError(f"load_states: {path!r} is not a valid trainer state file (its "
+                             f"parameter list is corrupt)") from None
+        missing = [n for n in self._names if listed is not None and n not in listed
+                   and n not in frozen]
+        if missing:     # their state here would be dropped with nothing in its place
+            raise ValueError(
+                f"load_states: {path!r} was saved by a trainer without the parameters "
+                f"{missing[:8]}{' ...' if len(missing) > 8 else ''} of this one, so it holds no "
+                f"state for them; save and load with trainers over the same parameters")
         self._wait_states()
         plan = []                                   # (state key, t, {slot: array})
         for name, keys in saved.items():
