@@ -508,21 +508,10 @@ def test_float64_data_through_a_float32_batchnorm_keeps_float32_statistics(tmp_p
     rng = np.random.default_rng(0)
     batches = [(rng.random((5, 3)), np.zeros((5, 4))) for _ in range(3)]
     stats = {}
+    init = _params(net_())
     for compiled in (False, True):
-        hl.random.seed(0)
         net = net_()
-        tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
-        loss_fn = hl.loss.L2Loss()
-        step = hl.TrainStep(net, loss_fn, tr) if compiled else None
-        for x, y in batches:
-            x, y = nd.array(x), nd.array(y)
-            if compiled:
-                step(x, y)
-            else:
-                with autograd.record():
-                    loss = loss_fn(net(x), y)
-                loss.backward()
-                tr.step(5)
+        _run(net, init, "sgd", {"learning_rate": 0.1}, batches, compiled, hl.loss.L2Loss())
         bn = net[1]
         for p in (bn.running_mean, bn.running_var):
             assert p.data().asnumpy().dtype == np.float32 == p.dtype
