@@ -137,11 +137,6 @@ def _binary(op_type):
     return conv
 
 
-def _promoted(node):
-    from .ops._util import promote
-    return promote(_in_dt(node, 0), _in_dt(node, 1))
-
-
 def _compare(op_type, negate=False):
     def conv(c, node, ins, outs):
         # NumPy's promotion, as the kernels compare: int32/int64 against float32 in float64

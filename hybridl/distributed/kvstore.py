@@ -378,7 +378,7 @@ class DistKVStore(KVStore):
                 if shared is None:
                     shared = self._shared[skey] = SharedBuckets(st.node, st.mpi, m, dt, b.index)
                 rows = shared.acquire()
-            buf = rows[st.node.Get_rank()] if rows is not None else \
+            buf = rows[shared.rank] if rows is not None else \
                 _free_buffer(bufs.setdefault(b.index, []), m, dt)
             failed = _backend.failed_input() is not None
             for (vals, _, _), off, cnt in zip(items, b.offsets, b.counts):
