@@ -9,8 +9,28 @@ See README.md (and DESIGN.md, in the development setup's shared/ folder) for the
 engine -> ops -> ndarray/autograd -> graph -> nn.
 """
 import importlib as _importlib
+import os as _os
+import sys as _sys
 
-from . import autograd, engine, nd, random  # noqa: F401
+
+def _cli_invocation():
+    """Whether this process is the ``hybridl`` command (the console script, or ``python -m
+    hybridl``): then a bad setting read at import is a usage error, not a traceback."""
+    argv0 = _sys.argv[0] if _sys.argv else ""
+    if _os.path.basename(argv0) in ("hybridl", "hybridl.exe"):
+        return True
+    orig = list(getattr(_sys, "orig_argv", ()))
+    return "-m" in orig and orig.index("-m") + 1 < len(orig) and orig[orig.index("-m") + 1] == "hybridl"
+
+
+try:
+    from . import engine  # noqa: F401 (reads HYBRIDL_ENGINE: a bad value raises ValueError)
+except ValueError as _e:
+    if not _cli_invocation():
+        raise
+    print(f"hybridl: {_e}", file=_sys.stderr)
+    raise SystemExit(2) from None
+from . import autograd, engine, nd, random  # noqa: F401,F811
 from .device import Device, cpu, current_device  # noqa: F401
 from .engine import OpError, waitall  # noqa: F401
 from .ndarray import NDArray  # noqa: F401

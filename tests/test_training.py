@@ -975,3 +975,17 @@ def test_cli_optimizer_defaults_and_no_cancelled_note_after_a_usage_error(capsys
                             str(tmp_path / "missing" / "m.safetensors")],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and "cancelled" not in r.stderr, r.stderr
+
+
+def test_bad_engine_setting_is_a_usage_error_not_a_traceback():
+    """HYBRIDL_ENGINE is read when hybridl is imported, before the command parses anything:
+    the command still answers with one line and exit code 2; a library import raises."""
+    env = dict(_env(), HYBRIDL_ENGINE="bogus")
+    r = subprocess.run([sys.executable, "-m", "hybridl", "train", "--epochs", "1"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.strip() == ("hybridl: HYBRIDL_ENGINE='bogus': expected one of ['naive', "
+                                "'threaded'] (or unset: threaded)"), r.stderr
+    r = subprocess.run([sys.executable, "-c", "import hybridl"], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert r.returncode == 1 and "ValueError: HYBRIDL_ENGINE='bogus'" in r.stderr, r.stderr
