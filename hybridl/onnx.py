@@ -20,7 +20,8 @@ flatten=False on >2-D data), conv2d -> Conv, max/avg_pool2d -> MaxPool / Average
 mean/max/min/prod -> Reduce* (axes an attribute below opset 18, an input from 18), sum ->
 ReduceSum (axes an input), softmax/log_softmax -> Softmax/LogSoftmax, reshape -> Reshape with a
 constant shape, slice -> Slice/Squeeze/Unsqueeze, binary ops -> Add/Sub/Mul/Div/... with ONNX
-(NumPy) broadcasting. Where hybridl promotes dtypes (int / int -> float32, mixed inputs), Cast
+(NumPy) broadcasting (on bool tensors add/maximum -> Or, multiply/minimum -> And, NumPy's
+meaning; ONNX's arithmetic takes no bool). Where hybridl promotes dtypes (int / int -> float32, mixed inputs), Cast
 nodes make the ONNX types match hybridl's.
 """
 import numbers
@@ -131,9 +132,14 @@ def _unary(op_type):
     return conv
 
 
-def _binary(op_type):
+def _binary(op_type, bool_op=None):
+    """ONNX ``op_type`` in the output dtype; on bool outputs ``bool_op`` (ONNX's Add, Mul,
+    Max and Min take no bool tensors; NumPy's bool ``+``/``max`` is a logical or, ``*``/``min``
+    a logical and)."""
     def conv(c, node, ins, outs):
-        c.node(op_type, _cast_ins(c, node, ins, _out_dt(node)), outs)
+        dt = _out_dt(node)
+        op = bool_op if bool_op is not None and dt == np.bool_ else op_type
+        c.node(op, _cast_ins(c, node, ins, dt), outs)
     return conv
 
 
@@ -473,9 +479,9 @@ _CONVERTERS = {
     "sin": _unary("Sin"), "cos": _unary("Cos"), "reciprocal": _unary("Reciprocal"),
     "floor": _unary("Floor"), "sign": _unary("Sign"), "square": _conv_square,
     "log1p": _conv_log1p, "expm1": _conv_expm1, "logical_not": _unary("Not"),
-    "add": _binary("Add"), "subtract": _binary("Sub"), "multiply": _binary("Mul"),
-    "divide": _binary("Div"), "power": _binary("Pow"), "maximum": _binary("Max"),
-    "minimum": _binary("Min"),
+    "add": _binary("Add", "Or"), "subtract": _binary("Sub"), "multiply": _binary("Mul", "And"),
+    "divide": _binary("Div"), "power": _binary("Pow"), "maximum": _binary("Max", "Or"),
+    "minimum": _binary("Min", "And"),
     "equal": _compare("Equal"), "not_equal": _compare("Equal", negate=True),
     "greater": _compare("Greater"), "greater_equal": _compare("GreaterOrEqual"),
     "less": _compare("Less"), "less_equal": _compare("LessOrEqual"),

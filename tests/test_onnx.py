@@ -152,6 +152,10 @@ CASES = {
     "compare_int_float": (lambda i, f: (i > f, i == f, i <= f),
                           [np.array([16777217, 3, -2 ** 40], np.int64),
                            np.array([16777216.0, 3.0, -2.0 ** 40], np.float32)]),
+    # bool + - max min: ONNX's Add/Mul/Max/Min take no bool (exported as Or/And, NumPy's meaning)
+    "bool_arithmetic": (lambda x, y: ((x > 0) + (y > 0), (x > 0) * (y < 0.5),
+                                      F.maximum(x > 0, y > 0), F.minimum(x > 0, y > 0),
+                                      (x > 0) + 1.5), [A, B]),
     # (k,) on the right: onnxruntime's optimizer got Transpose -> MatMul(2-D, 1-D) wrong
     "matmul_vector": (lambda m, v: (F.matmul(m.T, v), F.matmul(m, v[:3]), F.matmul(v, m)),
                       [RNG.standard_normal((4, 3)).astype(np.float32),
