@@ -133,14 +133,16 @@ def _worker_interleaved(args):
     ys = [hl.nd.array(rng.integers(0, 10, B).astype(np.float32)) for _ in range(4)]
     loss_fn = hl.loss.SoftmaxCrossEntropyLoss()
     steps = {}
-    for mode in ("alone", "together"):
+    modes = ("alone", "together", "sharded")
+    for mode in modes:
         net = _build(args)
         with autograd.predict_mode():
             net(xs[0]).wait_to_read()
         net.hybridize()
         trainer = hl.Trainer(net.collect_params(), "sgd",
                              {"learning_rate": 0.01, "momentum": 0.9},
-                             kvstore="dist" if mode == "together" else None)
+                             kvstore=None if mode == "alone" else "dist",
+                             update_on_kvstore=True if mode == "sharded" else None)
 
         def step(i, net=net, trainer=trainer):
             with autograd.record():
@@ -163,10 +165,10 @@ def _worker_interleaved(args):
         while not req.Test():
             time.sleep(0.0005)
 
-    for mode in ("alone", "together", "alone", "together"):    # warm-up
+    for mode in modes * 2:          # warm-up
         phase(mode, args.warmup)
     comm.Barrier()
-    alone, together = [], []
+    alone, together, sharded = [], [], []
     for c in range(args.cycles):
         solo = c % 2                # the ranks take turns, so both cores are measured alone
         comm.Barrier()
@@ -175,14 +177,16 @@ def _worker_interleaved(args):
             comm.Ibarrier().Wait()
         else:
             idle_until_partner_done()
-        comm.Barrier()
-        t = phase("together", args.steps)
-        together.append(comm.allreduce(t, op=state.mpi.MAX))
+        for mode, got in (("together", together), ("sharded", sharded)):
+            comm.Barrier()
+            t = phase(mode, args.steps)
+            got.append(comm.allreduce(t, op=state.mpi.MAX))
     alone = comm.gather(alone, root=0)
     if rank == 0:
         a = [alone[c % 2][c // 2] for c in range(args.cycles)]     # cycle c's lone rank
         with open(args.out, "w") as f:
-            json.dump({"model": args.model, "alone_s": a, "together_s": together}, f)
+            json.dump({"model": args.model, "alone_s": a, "together_s": together,
+                       "sharded_s": sharded}, f)
 
 
 def _worker_allreduce(args):
@@ -320,22 +324,29 @@ def main():
     cycles = max(2, args.cycles // 2 if args.quick else args.cycles)
     print(f"\n1. Weak scaling, interleaved in one 2-rank job: {PER_RANK_BATCH} samples per rank "
           f"per step; {cycles} cycles of (one rank trains alone for the 1-rank figure while the "
-          f"other sleeps, then both train with kvstore 'dist'), ~0.1 s each phase, so the VM's "
-          f"drift cancels in each cycle; efficiency = time per step alone / together, median "
-          f"of the cycles [quartiles]")
-    print(f"{'model':<9}{'alone ms':>10}{'2 ranks ms':>12}{'efficiency':>12}{'quartiles':>14}")
+          f"other sleeps, then both train with kvstore 'dist', then both with kvstore 'dist' "
+          f"and update_on_kvstore=True), ~0.1 s each phase, so the VM's drift cancels in each "
+          f"cycle; efficiency = time per step alone / together, median of the cycles "
+          f"[quartiles]. 'allreduce': the gradients summed on every rank, each rank updates "
+          f"every parameter; 'sharded update': each rank sums and updates half of the "
+          f"parameters, in one shared copy (Trainer(..., update_on_kvstore=True))")
+    print(f"{'model':<9}{'path':<17}{'alone ms':>10}{'2 ranks ms':>12}{'efficiency':>12}"
+          f"{'quartiles':>14}")
     report["interleaved"] = []
     for model in ("mlp", "lenet"):
         n_steps = 30 if model == "mlp" else 12
         d = _run(mpiexec, 2, ["interleaved", "--model", model, "--steps", str(n_steps),
                               "--cycles", str(cycles), "--batch-size", str(PER_RANK_BATCH)])
-        effs = sorted(a / t for a, t in zip(d["alone_s"], d["together_s"]))
-        q = statistics.quantiles(effs, n=4) if len(effs) >= 2 else [effs[0]] * 3
-        a_ms, t_ms = statistics.median(d["alone_s"]) * 1e3, statistics.median(d["together_s"]) * 1e3
-        report["interleaved"].append({"model": model, "alone_ms": a_ms, "together_ms": t_ms,
-                                      "efficiency": q[1], "efficiency_per_cycle": effs})
-        print(f"{model:<9}{a_ms:>10.2f}{t_ms:>12.2f}{q[1] * 100:>11.0f}%"
-              f"{f'[{q[0] * 100:.0f}-{q[2] * 100:.0f}%]':>14}")
+        a_ms = statistics.median(d["alone_s"]) * 1e3
+        for path, key in (("allreduce", "together_s"), ("sharded update", "sharded_s")):
+            effs = sorted(a / t for a, t in zip(d["alone_s"], d[key]))
+            q = statistics.quantiles(effs, n=4) if len(effs) >= 2 else [effs[0]] * 3
+            t_ms = statistics.median(d[key]) * 1e3
+            report["interleaved"].append({"model": model, "path": path, "alone_ms": a_ms,
+                                          "together_ms": t_ms, "efficiency": q[1],
+                                          "efficiency_per_cycle": effs})
+            print(f"{model:<9}{path:<17}{a_ms:>10.2f}{t_ms:>12.2f}{q[1] * 100:>11.0f}%"
+                  f"{f'[{q[0] * 100:.0f}-{q[2] * 100:.0f}%]':>14}")
 
     rounds = 2 if args.quick else args.rounds
     runs = [] if args.quick and not args.separate else [("mlp", PER_RANK_BATCH),

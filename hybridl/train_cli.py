@@ -605,8 +605,10 @@ def _train(args):
             net(nd.zeros((1,) + tuple(train_set[0][0].shape), device=devices[0]))  # broadcasts
     if not args.no_hybridize:                                          # rank 0's parameters
         net.hybridize()
+    # several processes: the update sharded over the ranks where they share a machine (the
+    # default allreduce path elsewhere; the same results, see Trainer's update_on_kvstore)
     trainer = optim.Trainer(net.collect_params(), args.optimizer, opt_params,
-                            kvstore="dist" if multi else None)
+                            kvstore="dist" if multi else None, update_on_kvstore=multi or None)
     compiled = not args.no_hybridize and not multi     # TrainStep runs without a kvstore
     mode = ("hybridized, compiled steps" if compiled else
             "imperative" if args.no_hybridize else "hybridized")

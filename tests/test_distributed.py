@@ -241,6 +241,66 @@ if rank == 0:
         np.savez(out, *[p.data().asnumpy() for p in net.collect_params().values()])
 """
 
+_TRAIN_SHARDED = """
+import sys
+import numpy as np
+import hybridl as hl
+from hybridl import distributed as dist, nn, autograd
+
+out, opt = sys.argv[1], sys.argv[2]
+rank, size = dist.init()
+dist._shm.MIN_BYTES = 0
+hl.random.seed(0)
+dims, steps, gb = (20, 32, 16, 10), 6, 24
+net = nn.Sequential()
+for i in range(1, len(dims)):
+    net.add(nn.Dense(dims[i], in_units=dims[i - 1], activation="relu" if i < len(dims) - 1 else None))
+net.initialize()
+params = list(net.collect_params().values())
+params[1].lr_mult = 0.5
+params[2].wd_mult = 2.0
+if rank == 1:
+    for p in params:
+        p.set_data(hl.nd.ones(p.shape))
+hp = {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-3} if opt == "sgd" else \
+     {"learning_rate": 0.01, "wd": 1e-3}
+kv = dist.DistKVStore(bucket_mb=0.001) if size > 1 else None
+trainer = hl.Trainer(net.collect_params(), opt, hp, kvstore=kv, update_on_kvstore=True if size > 1 else None)
+loss_fn = hl.loss.SoftmaxCrossEntropyLoss()
+rng = np.random.default_rng(1)
+X = rng.standard_normal((steps, gb, dims[0])).astype(np.float32)
+Y = rng.integers(0, dims[-1], (steps, gb)).astype(np.float32)
+lo, hi = rank * gb // size, (rank + 1) * gb // size
+held = None
+for s in range(steps):
+    x, y = hl.nd.array(X[s, lo:hi]), hl.nd.array(Y[s, lo:hi])
+    with autograd.record():
+        loss = loss_fn(net(x), y)
+    loss.backward()
+    grad0 = params[0].grad().asnumpy()
+    trainer.step(hi - lo)
+    if s == 1:            # a view of a weight, held: later updates must not change it
+        held = params[0].data().reshape(-1)
+        held_np = held.asnumpy()
+    if s == 3:            # weights replaced (same values) on every rank
+        for p in params:
+            p.set_data(p.data().asnumpy())
+hl.waitall()
+assert np.array_equal(held.asnumpy(), held_np), "a held weight view changed"
+vals = [p.data().asnumpy() for p in params]
+if kv is not None:        # every rank ends with the same weights
+    allv = dist._backend.state.comm.allgather(vals)
+    for r in range(1, size):
+        for a, b in zip(allv[0], allv[r]):
+            assert np.array_equal(a, b), f"rank {r} differs"
+if rank == 0:
+    trainer.save_states(out + ".states")
+    np.savez(out, *vals)
+    if kv is not None:
+        print("windows", {k: len(v[0]) for k, v in dist._shm._POOLS.items()})
+"""
+
+
 _FAIL = """
 import os, sys, time
 import numpy as np
@@ -360,6 +420,35 @@ def test_ranks_train_like_one_process_on_the_global_batch(tmp_path, ranks):
     if ranks == 2:                  # a0 + a1 either way: the same bits
         for k in a.files:
             np.testing.assert_array_equal(got["1"][k], got["0"][k], err_msg=k)
+
+@mpi
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+@pytest.mark.parametrize("ranks,shm", [(2, "1"), (3, "1"), (2, "0")])
+def test_update_on_kvstore_trains_like_one_process(tmp_path, opt, ranks, shm):
+    """Trainer(update_on_kvstore=True): each rank sums and updates its block of every bucket
+    (uneven blocks with 3 ranks; several buckets) in one shared copy of the weights and the
+    optimizer states. Weights and saved states equal one process's on the global batch
+    (rtol 1e-5), on every rank; rank 0's initial values win; a weight view held by the user
+    keeps its value; weights replaced mid-training (set_data) are taken into the windows
+    again. HYBRIDL_DIST_SHM=0: the default path, same results."""
+    from safetensors.numpy import load_file
+    script = _script(tmp_path, "sharded.py", _TRAIN_SHARDED)
+    single = _single([script, str(tmp_path / "single.npz"), opt])
+    assert single.returncode == 0, single.stderr
+    out, _ = _mpirun([sys.executable, script, str(tmp_path / "dist.npz"), opt], n=ranks,
+                     timeout=90, HYBRIDL_DIST_SHM=shm)
+    assert out.returncode == 0, out.stderr
+    a, b = np.load(tmp_path / "single.npz"), np.load(tmp_path / "dist.npz")
+    assert len(a.files) == 6
+    for k in a.files:
+        np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    sa, sb = load_file(tmp_path / "single.npz.states"), load_file(tmp_path / "dist.npz.states")
+    assert sa.keys() == sb.keys() and len(sa) == (6 if opt == "sgd" else 12)
+    for k in sa:
+        np.testing.assert_allclose(sb[k], sa[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    if shm == "1":      # the windows were used: one parameter window per bucket and more
+        assert "'param'" in out.stdout, out.stdout
+
 
 
 @mpi
@@ -718,7 +807,7 @@ def test_hybridl_train_under_mpiexec_refuses_to_train_alone_and_checks_save_on_r
 
 
 _FAILED_ON_ONE_RANK = """
-import sys
+import os, sys
 import numpy as np
 import hybridl as hl
 from hybridl import autograd, nn, distributed as dist
@@ -743,7 +832,7 @@ net = nn.Sequential()
 net.add(nn.Dense(6, in_units=4, activation="relu"), nn.Dense(3, in_units=6))
 net.initialize()
 tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
-                kvstore="dist")
+                kvstore="dist", update_on_kvstore=os.environ.get("UOK") == "1" or None)
 rng = np.random.default_rng(rank)
 skipped = []
 for i in range(4):
@@ -773,13 +862,15 @@ np.savez(out + f"{rank}.npz", y=np.array(y_res), z=z.asnumpy(), w=w)
 
 
 @mpi
-def test_a_batch_that_fails_on_one_rank_fails_the_step_on_every_rank(tmp_path):
+@pytest.mark.parametrize("uok", ["0", "1"])
+def test_a_batch_that_fails_on_one_rank_fails_the_step_on_every_rank(tmp_path, uok):
     """A failed input on one rank skipped that rank's collective: the other rank's collective
     was paired with the next one (allreduce results of different calls mixed, then a timeout),
     and in training the ranks' weights diverged. Now every rank takes part, the failure is
     shared in-band, and every rank skips the step."""
     script = _script(tmp_path, "failed.py", _FAILED_ON_ONE_RANK)
-    out, dt = _mpirun([sys.executable, script, str(tmp_path / "r")], HYBRIDL_DIST_TIMEOUT=20)
+    out, dt = _mpirun([sys.executable, script, str(tmp_path / "r")], HYBRIDL_DIST_TIMEOUT=20,
+                      UOK=uok)
     assert out.returncode == 0, out.stderr
     r0, r1 = np.load(tmp_path / "r0.npz"), np.load(tmp_path / "r1.npz")
     # rank 0: its own input's error (IndexError from take); rank 1: the shared failure
@@ -791,7 +882,7 @@ def test_a_batch_that_fails_on_one_rank_fails_the_step_on_every_rank(tmp_path):
 
 
 _UNUSED_ON_ONE_RANK = """
-import sys
+import os, sys
 import numpy as np
 import hybridl as hl
 from hybridl import autograd, nn, distributed as dist
@@ -812,7 +903,7 @@ hl.random.seed(0)
 net = TwoHeads()
 net.initialize()
 tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
-                kvstore="dist")
+                kvstore="dist", update_on_kvstore=os.environ.get("UOK") == "1" or None)
 rng = np.random.default_rng(rank)
 for i in range(3):
     x = hl.nd.array(rng.standard_normal((4, 4)).astype(np.float32))
@@ -826,18 +917,19 @@ np.save(sys.argv[1] + f"{rank}.npy", w)
 
 
 @mpi
-def test_a_parameter_unused_on_one_rank_keeps_the_replicas_identical(tmp_path):
+@pytest.mark.parametrize("uok", ["0", "1"])
+def test_a_parameter_unused_on_one_rank_keeps_the_replicas_identical(tmp_path, uok):
     """kvstore='dist': a parameter one rank's step did not use went into the sum with that
     rank's previous gradient, and that rank then skipped its update: the ranks' weights
     differed (1e-1). Now it adds zero and every rank takes the summed step."""
     script = _script(tmp_path, "unused.py", _UNUSED_ON_ONE_RANK)
-    out, _ = _mpirun([sys.executable, script, str(tmp_path / "w")])
+    out, _ = _mpirun([sys.executable, script, str(tmp_path / "w")], UOK=uok)
     assert out.returncode == 0, out.stderr
     np.testing.assert_array_equal(np.load(tmp_path / "w0.npy"), np.load(tmp_path / "w1.npy"))
 
 
 _UNEVEN = """
-import sys
+import os, sys
 import numpy as np
 import hybridl as hl
 from hybridl import autograd, nn, distributed as dist
@@ -845,8 +937,10 @@ rank, size = dist.init()
 hl.random.seed(0)
 net = nn.Dense(3, in_units=4)
 net.initialize()
+dist._shm.MIN_BYTES = int(os.environ.get("MIN_BYTES", dist._shm.MIN_BYTES))
 tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
-                kvstore="dist" if size > 1 else None)
+                kvstore="dist" if size > 1 else None,
+                update_on_kvstore=os.environ.get("UOK") == "1" and size > 1 or None)
 data = np.random.default_rng(5).standard_normal((8, 4)).astype(np.float32)
 parts = [data[:5], data[5:]] if size > 1 else [data]      # rank 0: 5 samples, rank 1: 3
 for _ in range(2):
@@ -860,7 +954,8 @@ np.save(sys.argv[1] + f"{rank}.npy", net.weight.data().asnumpy())
 
 
 @mpi
-def test_uneven_local_batches_give_the_mean_over_the_global_batch(tmp_path):
+@pytest.mark.parametrize("uok,min_bytes", [("0", "32768"), ("1", "32768"), ("1", "0")])
+def test_uneven_local_batches_give_the_mean_over_the_global_batch(tmp_path, uok, min_bytes):
     """Ranks calling trainer.step with different local batch sizes (an uneven last batch)
     each scaled the summed gradient by its own 1 / (batch * size): the replicas differed
     (5e-2) and neither had the global mean. Now the update is the mean over the global batch
@@ -868,7 +963,7 @@ def test_uneven_local_batches_give_the_mean_over_the_global_batch(tmp_path):
     script = _script(tmp_path, "uneven.py", _UNEVEN)
     single = _single([script, str(tmp_path / "s")])
     assert single.returncode == 0, single.stderr
-    out, _ = _mpirun([sys.executable, script, str(tmp_path / "d")])
+    out, _ = _mpirun([sys.executable, script, str(tmp_path / "d")], UOK=uok, MIN_BYTES=min_bytes)
     assert out.returncode == 0, out.stderr
     ref = np.load(tmp_path / "s0.npy")
     for r in (0, 1):

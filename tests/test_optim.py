@@ -374,9 +374,30 @@ def test_optimizer_argument_errors():
         optim.Trainer(_param(W0), "sgd")
 
 
-def test_trainer_refuses_update_on_kvstore_and_a_shared_store():
-    with pytest.raises(ValueError, match="update_on_kvstore: expected None or False"):
+def test_trainer_checks_update_on_kvstore_and_refuses_a_shared_store():
+    with pytest.raises(ValueError, match="update_on_kvstore=True: needs kvstore='dist'"):
         optim.Trainer([_param(W0)], "sgd", update_on_kvstore=True)
+    with pytest.raises(ValueError, match="update_on_kvstore=True: needs kvstore='dist'"):
+        optim.Trainer([_param(W0)], "sgd", kvstore="device", update_on_kvstore=True)
+    with pytest.raises(ValueError, match="update_on_kvstore: expected None, False or True"):
+        optim.Trainer([_param(W0)], "sgd", update_on_kvstore="yes")
+
+    class Global(optim.SGD):        # an update that is not marked elementwise
+        elementwise = False
+    with pytest.raises(ValueError, match="Global is not marked elementwise"):
+        optim.Trainer([_param(W0)], Global(), kvstore="dist", update_on_kvstore=True)
+    assert optim.SGD.elementwise and optim.Adam.elementwise and optim.AdamW.elementwise
+    # one process (no launcher): the default path, the same values as without the option
+    w1, w2 = _param(W0), _param(W0)
+    for w, uok in ((w1, True), (w2, None)):
+        tr = optim.Trainer([w], "sgd", {"learning_rate": 0.1, "momentum": 0.9}, kvstore="dist",
+                           update_on_kvstore=uok)
+        for _ in range(3):
+            with hl.autograd.record():
+                loss = (w.data() * w.data()).sum()
+            loss.backward()
+            tr.step(1)
+    np.testing.assert_array_equal(w1.data().asnumpy(), w2.data().asnumpy())
     optim.Trainer([_param(W0)], "sgd", update_on_kvstore=False)
     store = hl.kv.create("device")
     a, b = _param(W0), _param(W0)

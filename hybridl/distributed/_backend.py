@@ -256,7 +256,8 @@ def _abort(msg, code=70):
         os._exit(code)
 
 
-def push_collective(fn, reads=(), writes=(), name="collective", nbytes=0, priority=1 << 20):
+def push_collective(fn, reads=(), writes=(), name="collective", nbytes=0, priority=1 << 20,
+                    skip_clean=False):
     """Push ``fn(comm)`` as a collective on the communication queue (in push order, watched).
 
     ``fn`` runs on the communication thread with the MPI communicator; an MPI error inside it
@@ -268,7 +269,9 @@ def push_collective(fn, reads=(), writes=(), name="collective", nbytes=0, priori
     the other ranks would pair their next collective with it, and mix data of different
     steps. So the op runs anyway: :func:`failed_input` tells ``fn`` so (it then takes part
     with zeros, and where it can, tells the other ranks in-band so that they fail too), and
-    its outputs on this rank take the input's error afterwards.
+    its outputs on this rank take the input's error afterwards -- unless ``skip_clean`` (an
+    optimizer update run as a collective, which raises before it writes anything): then its
+    outputs keep their values and stay usable, as an update skipped for a failed gradient.
     """
     st = state
     seq = next(st.seq)
@@ -303,7 +306,8 @@ def push_collective(fn, reads=(), writes=(), name="collective", nbytes=0, priori
     # a thread waiting for the result may run it itself (it would only block meanwhile); a
     # failed input does not skip it (see above)
     _engine.push(run, reads, w, COMM_KEY, priority, name,
-                 {"bytes": float(nbytes), "waiter_may_run": True, "runs_on_failed_input": True})
+                 {"bytes": float(nbytes), "waiter_may_run": True, "runs_on_failed_input": True},
+                 skip_clean=skip_clean)
     return seq
 
 

@@ -60,6 +60,7 @@ SHM_DIR = "/dev/shm"
 # (bucket index, elements per row, dtype) -> ([windows], [arrays]): every rank makes the same
 # windows in the same (collective) order, so the pools are alike on every rank
 _POOLS = {}
+_WIN_OF = {}        # id(pooled array) -> its window (any pool)
 
 
 def has_room(nbytes, path=None):
@@ -98,12 +99,18 @@ class SharedBuckets:
         dtype: NumPy dtype of the row.
         index (int): the bucket's index in its kvstore's plan: the windows are shared with
             every bucket of the process that has the same index, length and dtype.
+        rows (int): rows per window (default: one per rank; 1 for a window that holds ONE
+            copy every rank reads, e.g. the parameters of ``update_on_kvstore``).
+        kind (str): what the windows hold (separate pools for gradients, parameters and
+            each optimizer state).
     """
 
-    def __init__(self, node, mpi, m, dtype, index=0):
+    def __init__(self, node, mpi, m, dtype, index=0, rows=None, kind="grad"):
         self.node, self.mpi, self.m, self.dtype = node, mpi, int(m), np.dtype(dtype)
         self.rank, self.size = node.Get_rank(), node.Get_size()
-        self.wins, self.arrays = _POOLS.setdefault((index, self.m, self.dtype.str), ([], []))
+        self.rows = self.size if rows is None else int(rows)
+        self.wins, self.arrays = _POOLS.setdefault(
+            (index, self.m, self.dtype.str, self.rows, kind), ([], []))
 
     def _block(self, r):
         m, n = self.m, self.size
@@ -111,49 +118,74 @@ class SharedBuckets:
         hi = m if r == n - 1 else ((r + 1) * m // n) // _ALIGN * _ALIGN
         return lo, hi
 
-    def acquire(self):
+    def acquire(self, extra=None):
         """A window that no rank holds a view of (collective on the node: every rank calls it
-        at the same point): its ``(N, m)`` array, or None when every window of the pool is
+        at the same point): its ``(rows, m)`` array, or None when every window of the pool is
         still held somewhere (the caller then uses ``MPI_Allreduce``).
+
+        ``extra``: optional int64 flags of the caller, MAX-reduced over the ranks in the same
+        exchange; then returns ``(array or None, reduced extra)``.
 
         Raises:
             DistributedError: the ranks' bucket lengths differ (on every rank)."""
         MPI = self.mpi
         item = self.dtype.itemsize
-        flags = np.zeros(3 + POOL_MAX, dtype=np.int64)
+        k = 0 if extra is None else len(extra)
+        flags = np.zeros(3 + POOL_MAX + k, dtype=np.int64)
         flags[0], flags[1] = self.m, -self.m
         # no room for another window on this rank (checked only while the pool may grow)
-        flags[2] = len(self.arrays) >= POOL_MAX or not _has_room_cached(self.size * self.m * item)
+        flags[2] = len(self.arrays) >= POOL_MAX or not _has_room_cached(self.rows * self.m * item)
         for i in range(len(self.arrays)):
             # references: the list, getrefcount's argument -> 2 when no view of it is alive
             flags[3 + i] = sys.getrefcount(self.arrays[i]) > 2
+        if k:
+            flags[3 + POOL_MAX:] = extra
         self.node.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
         if flags[0] != self.m or -flags[1] != self.m:
             raise DistributedError(
                 f"gradient bucket of {self.m} elements: the ranks' buckets have different "
                 f"lengths ({-flags[1]}..{flags[0]}): every rank must push the same arrays in the "
                 f"same order")
-        for i in range(len(self.arrays)):
-            if not flags[3 + i]:
-                return self.arrays[i]
-        if flags[2]:
-            return None
-        nbytes = self.size * self.m * item if self.rank == 0 else 0
+        got = next((self.arrays[i] for i in range(len(self.arrays)) if not flags[3 + i]), None)
+        if got is None and not flags[2]:
+            got = self._new()
+        return got if extra is None else (got, flags[3 + POOL_MAX:])
+
+    def _new(self):
+        """A new window of the pool (collective)."""
+        MPI, item = self.mpi, self.dtype.itemsize
+        nbytes = self.rows * self.m * item if self.rank == 0 else 0
         win = MPI.Win.Allocate_shared(nbytes, item, comm=self.node)
         win.Lock_all(MPI.MODE_NOCHECK)
         buf, _ = win.Shared_query(0)
         # made straight on the buffer, so that every view's .base is this array (a reshape of
         # np.frombuffer's result would make the views point past it, and hide them from acquire)
-        arr = np.ndarray((self.size, self.m), dtype=self.dtype, buffer=buf)
+        arr = np.ndarray((self.rows, self.m), dtype=self.dtype, buffer=buf)
         self.wins.append(win)
         self.arrays.append(arr)
+        _WIN_OF[id(arr)] = win          # (pooled arrays live as long as the process)
         return arr
 
-    def _sync(self, arr):
-        win = self.wins[next(i for i, a in enumerate(self.arrays) if a is arr)]
-        win.Sync()
+    def sync(self, *arrs):
+        """``MPI_Win_sync`` on the windows of ``arrs`` around one node barrier: what every rank
+        wrote into them before is visible to every rank after (collective)."""
+        wins = [_WIN_OF[id(arr)] for arr in arrs]
+        for w in wins:
+            w.Sync()
         self.node.Barrier()
-        win.Sync()
+        for w in wins:
+            w.Sync()
+
+    _sync = sync
+
+    def block(self, n=None):
+        """``(lo, hi)``: this rank's columns of the first ``n`` (default ``m``) elements of a row
+        (about ``n / N`` of them, cache-line aligned)."""
+        n = self.m if n is None else int(n)
+        r, size = self.rank, self.size
+        lo = (r * n // size) // _ALIGN * _ALIGN if r else 0
+        hi = n if r == size - 1 else ((r + 1) * n // size) // _ALIGN * _ALIGN
+        return lo, hi
 
     def allreduce(self, arr):
         """Sum the rows of ``arr`` (from :meth:`acquire`, this rank's row already written) into

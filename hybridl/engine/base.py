@@ -18,7 +18,9 @@ every Var the op writes. An op that reads a failed Var does not run and passes t
 the Vars it writes, except to Vars marked ``keep_clean`` (the RNG) and from an op pushed with
 ``skip_clean`` (an optimizer update: skipped for a failed gradient, it leaves the weights as
 they were, usable; or only to the writes it lists: a training step whose batch failed fails
-its loss, not its weights). The error is raised when a failed Var is waited for (``wait_for``), by
+its loss, not its weights; a collective pushed with ``skip_clean``, which runs on a failed
+input, leaves its writes clean when it raises: an update run as a collective raises before it
+writes). The error is raised when a failed Var is waited for (``wait_for``), by
 ``waitall()``, and by :meth:`Engine.raise_unreported` (the Trainer calls it every step, so an
 error no sync point raised, e.g. in a gradient op whose update was then skipped, is not lost).
 """
@@ -580,6 +582,9 @@ class Engine:
             # an op that failed before changing some of its writes may say so: then only the
             # others take the error (a TrainStep that failed before any update: its loss)
             marked = getattr(e, "hybridl_failed_writes", None)
+            if marked is None and op.skip_clean is True and meta is not None and \
+                    meta.get("runs_on_failed_input"):
+                marked = ()     # an update run as a collective raises before it writes
             err = _op_error(op.name, e)
             err.epoch = op.epoch
             for w in op.writes if marked is None else marked:

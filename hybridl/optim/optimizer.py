@@ -77,6 +77,11 @@ class Optimizer:
 
     default_learning_rate = 0.01
 
+    #: True when :meth:`step_kernel` is elementwise (each element of the new weight and states
+    #: depends on the same element of the old ones and of the gradient only): the update can
+    #: then run on any split of a flat parameter (``Trainer(update_on_kvstore=True)``).
+    elementwise = False
+
     def __init__(self, learning_rate=None, wd=0.0, rescale_grad=1.0, clip_gradient=None,
                  lr=None):
         if learning_rate is not None and lr is not None and _number("lr", lr) != _number(
@@ -226,6 +231,8 @@ class SGD(Optimizer):
         ValueError: a value out of its range; nesterov without momentum.
     """
 
+    elementwise = True
+
     def __init__(self, learning_rate=None, momentum=0.0, wd=0.0, nesterov=False, **kw):
         super().__init__(learning_rate, wd, **kw)
         momentum = _number("momentum", momentum)
@@ -316,6 +323,8 @@ class Adam(Optimizer):
     decoupled = False
 
     default_learning_rate = 0.001
+
+    elementwise = True
 
     def __init__(self, learning_rate=None, beta1=0.9, beta2=0.999, epsilon=1e-8, wd=0.0, **kw):
         super().__init__(learning_rate, wd, **kw)

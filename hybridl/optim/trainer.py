@@ -66,20 +66,31 @@ class Trainer:
     KVStore (``kvstore='device'`` ring allreduce or ``'local'``; default 'device' when there
     is more than one device; ``'dist'`` across processes), so every copy takes the same update.
 
-    ``update_on_kvstore``: None or False (MXNet's option; the update always runs on each
-    device after the aggregation, never inside the store).
+    ``update_on_kvstore`` (MXNet's option): None or False (default): the update runs on each
+    device after the gradients are aggregated. True, with ``kvstore='dist'``: the store
+    applies it, sharded -- where every rank runs on one machine, rank r updates 1/N of the
+    parameters in one shared copy that every rank reads
+    (:meth:`hybridl.distributed.kvstore.DistKVStore.pushpull_update`; an elementwise
+    optimizer: SGD, Adam, AdamW); after ``step`` the gradients then keep this rank's own
+    values, as in MXNet. Elsewhere (ranks on several machines, ``HYBRIDL_DIST_SHM=0``, one
+    process, ``grad_req='add'``, several devices per process) the default path is taken.
 
     Raises:
         TypeError: ``params`` is not a ParameterDict, dict or list of Parameters.
-        ValueError: unknown optimizer; ``update_on_kvstore=True``.
+        ValueError: unknown optimizer; ``update_on_kvstore=True`` without ``kvstore='dist'``,
+            or with an optimizer whose update is not elementwise.
     """
 
     def __init__(self, params, optimizer="sgd", optimizer_params=None, kvstore=None,
                  update_on_kvstore=None):
-        if update_on_kvstore not in (None, False):
-            raise ValueError(f"update_on_kvstore: expected None or False (updates run on each "
-                             f"device after the gradients are aggregated, not in the store), "
-                             f"got {update_on_kvstore!r}")
+        if update_on_kvstore not in (None, False, True):
+            raise ValueError(f"update_on_kvstore: expected None, False or True, got "
+                             f"{update_on_kvstore!r}")
+        if update_on_kvstore and not _is_dist(kvstore):
+            raise ValueError(f"update_on_kvstore=True: needs kvstore='dist' (the update sharded "
+                             f"over the processes); with kvstore={kvstore!r} the update runs on "
+                             f"each device after the aggregation: leave update_on_kvstore None")
+        self._update_on_kv = bool(update_on_kvstore)
         if isinstance(params, dict):
             plist = list(params.values())
         elif isinstance(params, (list, tuple)):
@@ -116,6 +127,10 @@ class Trainer:
             optimizer, Optimizer) else optimizer
         if isinstance(optimizer, Optimizer) and optimizer_params:
             raise ValueError("optimizer_params: must be None when optimizer is an Optimizer instance")
+        if self._update_on_kv and not getattr(self._optimizer, "elementwise", False):
+            raise ValueError(f"update_on_kvstore=True: the update of "
+                             f"{type(self._optimizer).__name__} is not marked elementwise "
+                             f"(Optimizer.elementwise), so it cannot be split into blocks")
         self._states = {}
         self._pushing = threading.Lock()    # one step's updates pushed, or a state snapshot
         self._ignore_stale = False
@@ -346,14 +361,46 @@ class Trainer:
         self._warn_unfrozen("Trainer.step", 3)
         self._ignore_stale = ignore_stale_grad
         accum = self._gate_accumulated()
-        self.allreduce_grads(_batch=batch_size)
-        self.update(batch_size)
+        if self._update_on_kv and not accum and self._step_on_kvstore(batch_size):
+            pass
+        else:
+            self.allreduce_grads(_batch=batch_size)
+            self.update(batch_size)
         if accum:
             self._drop_failed_accumulation(accum)
         # an error no sync point raised (a failing op on the gradients of an earlier step: its
         # update was skipped, the weights stay usable) is raised here rather than going
         # unnoticed; after this step's update was pushed, so no good step is lost to it
         _engine.get_engine().raise_unreported()
+
+    def _step_on_kvstore(self, batch_size):
+        """``update_on_kvstore``: push the sharded update (see the class docstring); False
+        when this step cannot take it (it then takes the default path)."""
+        if not self._kv_ready:
+            self._init_kvstore(first_step=True)
+        kv = self._kv
+        if kv is None or not getattr(kv, "can_update", lambda: False)() or any(
+                p.grad_req != "write" or len(p.list_device()) != 1 for p in self._params):
+            return False
+        if [tuple(p.list_device()) for p in self._params] != self._kv_devices:
+            self._devices_changed()         # (raises: a 'dist' store's devices are fixed)
+        opt = self._optimizer
+        opt.rescale_grad = getattr(opt, "scale", 1.0) / (batch_size * kv.num_workers)
+        opt.num_update += 1
+        kv.local_batch = batch_size
+        self._reduced = {}
+        with self._pushing:
+            jobs = {}
+            for i, p in enumerate(self._params):
+                w = p.list_data()[0]
+                g = w.grad
+                if not getattr(g, "_fresh", True):
+                    g[:] = 0            # not used by this rank's step: adds zero (as allreduce)
+                g._fresh = False
+                jobs[i] = (g, w, self._state((i, w.device), w), opt.lr * p.lr_mult,
+                           opt.wd * p.wd_mult)
+            kv.pushpull_update(jobs, opt.step_kernel, opt.rescale_grad, opt.clip_gradient)
+        return True
 
     def _warn_unfrozen(self, who, stacklevel):
         """Warn once that parameters frozen when this Trainer was made and unfrozen since are
