@@ -20,7 +20,13 @@ def _cli_invocation():
     if _os.path.basename(argv0) in ("hybridl", "hybridl.exe"):
         return True
     orig = list(getattr(_sys, "orig_argv", ()))
-    return "-m" in orig and orig.index("-m") + 1 < len(orig) and orig[orig.index("-m") + 1] == "hybridl"
+    mods = ("hybridl", "hybridl.cli", "hybridl.__main__")
+    for i, a in enumerate(orig):
+        if a == "-m" and i + 1 < len(orig):
+            return orig[i + 1] in mods
+        if a.startswith("-m") and len(a) > 2:           # python -mhybridl
+            return a[2:] in mods
+    return False
 
 
 try:

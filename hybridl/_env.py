@@ -4,7 +4,7 @@ import os
 __all__ = ["env_int"]
 
 
-def env_int(name, default, minimum, meaning):
+def env_int(name, default, minimum, meaning, maximum=None):
     """The integer in environment variable ``name`` (``default`` when unset or blank).
 
     Args:
@@ -12,10 +12,11 @@ def env_int(name, default, minimum, meaning):
         default (int): the value when it is not set.
         minimum (int): the smallest value accepted.
         meaning (str): what the number counts, for the error (``"worker threads per device"``).
+        maximum (int or None): the largest value accepted (None: no bound).
 
     Raises:
-        ValueError: not an integer >= ``minimum``; the message names the variable, its value,
-            what was expected and the default.
+        ValueError: not an integer in ``[minimum, maximum]``; the message names the variable,
+            its value, what was expected and the default.
     """
     v = os.environ.get(name, "").strip()
     if not v:
@@ -24,7 +25,8 @@ def env_int(name, default, minimum, meaning):
         n = int(v)
     except ValueError:
         n = None
-    if n is None or n < minimum:
-        raise ValueError(f"{name}={v!r}: expected an integer >= {minimum} ({meaning}), or unset: "
+    if n is None or n < minimum or (maximum is not None and n > maximum):
+        want = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name}={v!r}: expected an integer {want} ({meaning}), or unset: "
                          f"{default}")
     return n

@@ -352,6 +352,9 @@ def _setup(args):
         args.batch_size = _default_batch(args.dataset)
     if args.lr is None:
         args.lr = 0.05 if args.optimizer == "sgd" else 0.002
+    if not getattr(args, "no_hybridize", True):
+        from .graph.passes import _numexpr
+        _numexpr()      # its thread settings (OMP_NUM_THREADS...) checked before training
 
 
 def _busy_note(load=None, others=None):
@@ -709,7 +712,13 @@ def main_export(argv=None):
               file=sys.stderr)
     from . import nd
     size = 8 if args.dataset == "digits" else 28
-    net = _model(args.model, size)
+    try:
+        net = _model(args.model, size)      # (imports the compiler: HYBRIDL_FUSION_THRESHOLD)
+        from .graph.passes import _numexpr
+        _numexpr()                          # numexpr's thread settings (OMP_NUM_THREADS)
+    except ValueError as e:
+        print(f"hybridl export: error: {e}", file=sys.stderr)
+        return 2
     net.initialize()
     try:
         x = nd.zeros((args.batch_size, 1, size, size))

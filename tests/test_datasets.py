@@ -479,3 +479,12 @@ def test_dataset_arguments_are_checked(tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     with pytest.raises(ValueError, match="root must be a folder path, got ''"):
         MNIST(root="", train=False)
+
+
+def test_blank_hybridl_data_counts_as_unset(monkeypatch):
+    """HYBRIDL_DATA=' ' made a folder named ' ' in the current directory."""
+    from hybridl.data.vision import _default_root
+    monkeypatch.setenv("HYBRIDL_DATA", " ")
+    assert _default_root("mnist") == os.path.join(os.path.expanduser("~"), ".hybridl", "datasets", "mnist")
+    monkeypatch.setenv("HYBRIDL_DATA", "~/d")
+    assert _default_root("mnist") == os.path.join(os.path.expanduser("~"), "d", "mnist")

@@ -428,3 +428,12 @@ def test_hw_checks_json_and_plot_folders_before_measuring(capsys, tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert stat.S_IMODE(os.stat(new).st_mode) == 0o666 & ~umask     # was 0600
+
+
+def test_hybridl_home_expands_the_tilde_and_ignores_blanks(monkeypatch):
+    """HYBRIDL_HOME='~/hh' (from a .env file or systemd, no shell expansion) wrote ./~/hh."""
+    from hybridl.hardware.cache import hybridl_home
+    monkeypatch.setenv("HYBRIDL_HOME", "~/hh")
+    assert hybridl_home() == os.path.join(os.path.expanduser("~"), "hh")
+    monkeypatch.setenv("HYBRIDL_HOME", "  ")
+    assert hybridl_home() == os.path.join(os.path.expanduser("~"), ".hybridl")

@@ -989,3 +989,33 @@ def test_bad_engine_setting_is_a_usage_error_not_a_traceback():
     r = subprocess.run([sys.executable, "-c", "import hybridl"], capture_output=True, text=True,
                        timeout=60, env=env)
     assert r.returncode == 1 and "ValueError: HYBRIDL_ENGINE='bogus'" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("var,value", [
+    ("HYBRIDL_NUM_WORKERS", "100000"),          # was: thousands of threads, then a traceback
+    ("HYBRIDL_SWITCH_INTERVAL", "1e20"),        # was: accepted, CPython made it 0
+    ("HYBRIDL_MALLOC_TUNING", "false"),         # was: silently "on"
+    ("OMP_NUM_THREADS", "0"),                   # was: numexpr's message run into the output
+    ("NUMEXPR_MAX_THREADS", "100000"),          # was: the process died in pthread_create
+    ("HYBRIDL_FUSION_THRESHOLD", "abc"),
+])
+def test_bad_thread_and_engine_settings_are_usage_errors(var, value):
+    """Each setting is named in one line with exit code 2 (train and export), never a
+    traceback."""
+    env = dict(_env(), **{var: value})
+    for cmd in (["train", "--epochs", "1", "--quiet"], ["export", "--out", os.devnull + "x"]):
+        r = subprocess.run([sys.executable, "-m", "hybridl", *cmd], capture_output=True,
+                           text=True, timeout=60, env=env)
+        assert r.returncode == 2, (cmd, r.stdout, r.stderr)
+        assert f"{var}={value!r}" in r.stderr and "Traceback" not in r.stderr, (cmd, r.stderr)
+
+
+def test_openmp_thread_lists_and_odd_digits_are_accepted():
+    """OMP_NUM_THREADS=4,2 (an OpenMP list: numexpr takes its first number; int() of it was a
+    traceback) and OPENBLAS_NUM_THREADS=² ('²'.isdigit() is True; int() of it was a traceback
+    at import) train as usual."""
+    for var, value in (("OMP_NUM_THREADS", "4,2"), ("OPENBLAS_NUM_THREADS", "\u00b2")):
+        env = dict(_env(), **{var: value})
+        r = subprocess.run([sys.executable, "-m", "hybridl", "train", "--epochs", "1", "--quiet"],
+                           capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == 0, (var, r.stderr)

@@ -274,7 +274,7 @@ def _check_train(train, name):
 
 
 def _default_root(name):
-    base = os.environ.get("HYBRIDL_DATA")
+    base = os.environ.get("HYBRIDL_DATA", "").strip()    # (blank: unset)
     if base:
         return os.path.join(os.path.expanduser(base), name)
     return os.path.join(os.path.expanduser("~"), ".hybridl", "datasets", name)

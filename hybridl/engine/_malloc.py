@@ -33,7 +33,11 @@ _applied = {}
 
 def apply():
     """Set the parameters above (once); returns the dict of those set (empty if none)."""
-    if _applied or os.environ.get("HYBRIDL_MALLOC_TUNING", "1").strip() == "0":
+    v = os.environ.get("HYBRIDL_MALLOC_TUNING", "").strip()
+    if v not in ("", "0", "1"):
+        raise ValueError(f"HYBRIDL_MALLOC_TUNING={v!r}: expected 0 (leave glibc's allocator "
+                         f"alone) or 1, or unset: 1")
+    if _applied or v == "0":
         return dict(_applied)
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -54,7 +54,8 @@ def _env_switch_interval():
     """HYBRIDL_SWITCH_INTERVAL in seconds (default 0.5 ms; 0 keeps Python's).
 
     Raises:
-        ValueError: not a number >= 0 (names the variable)."""
+        ValueError: not a number of seconds in [0, 1] (names the variable; a longer slice lets
+            a busy thread keep the GIL for that long, and CPython turns a huge one into 0)."""
     v = os.environ.get("HYBRIDL_SWITCH_INTERVAL", "").strip()
     if not v:
         return _SWITCH_INTERVAL
@@ -62,9 +63,9 @@ def _env_switch_interval():
         want = float(v)
     except ValueError:
         want = -1.0
-    if not 0 <= want < float("inf"):
-        raise ValueError(f"HYBRIDL_SWITCH_INTERVAL={v!r}: expected a number of seconds >= 0 "
-                         f"(e.g. 0.0005; 0 keeps Python's GIL time slice)")
+    if not 0 <= want <= 1.0:
+        raise ValueError(f"HYBRIDL_SWITCH_INTERVAL={v!r}: expected a number of seconds in "
+                         f"[0, 1] (e.g. 0.0005; 0 keeps Python's GIL time slice)")
     return want
 
 
@@ -72,9 +73,10 @@ def _env_num_workers():
     """HYBRIDL_NUM_WORKERS (default 1).
 
     Raises:
-        ValueError: not an integer >= 1 (names the variable)."""
+        ValueError: not an integer in [1, 256] (names the variable; each worker is a thread,
+            and thousands of them only make the machine thrash)."""
     from .._env import env_int
-    return env_int("HYBRIDL_NUM_WORKERS", 1, 1, "worker threads per device")
+    return env_int("HYBRIDL_NUM_WORKERS", 1, 1, "worker threads per device", maximum=256)
 
 
 def _set_switch_interval():

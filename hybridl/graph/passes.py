@@ -17,6 +17,8 @@ meaning: the tests check each on random graphs and inputs (hypothesis).
 """
 import builtins
 
+import os
+
 import numpy as np
 
 from .._env import env_int
@@ -322,8 +324,39 @@ def measure_fusion_threshold(sizes=None, reps=15):
     return (thr if thr is not None else sizes[-1] * 2), rows
 
 
+_NE_MAX = 1024
+
+
+def _numexpr():
+    """The numexpr module, its thread settings checked first: numexpr reads
+    ``NUMEXPR_MAX_THREADS``, ``NUMEXPR_NUM_THREADS`` and ``OMP_NUM_THREADS`` when it is
+    imported, and a bad value there was a traceback naming none of them (``int()`` of
+    '4,2'), a thread pool of 100000 (the process died in ``pthread_create``) or a message with
+    no end of line. An OpenMP list (``OMP_NUM_THREADS=4,2``) gives numexpr its first number.
+
+    Raises:
+        ValueError: a variable that is set but not an integer in [1, 1024] (its name, value
+            and what was expected)."""
+    import sys as _sys
+    if "numexpr" not in _sys.modules:
+        env = os.environ
+        for var in ("NUMEXPR_MAX_THREADS", "NUMEXPR_NUM_THREADS", "OMP_NUM_THREADS"):
+            v = env.get(var, "").strip()
+            if not v or (var == "OMP_NUM_THREADS" and env.get("NUMEXPR_NUM_THREADS", "").strip()):
+                continue
+            first = v.split(",")[0].strip() if var == "OMP_NUM_THREADS" else v
+            if not (first.isascii() and first.isdigit() and 1 <= int(first) <= _NE_MAX):
+                raise ValueError(
+                    f"{var}={env[var]!r}: expected an integer in [1, {_NE_MAX}] (threads; "
+                    f"numexpr, which runs the fused elementwise code, reads it), or unset")
+            if var == "OMP_NUM_THREADS" and first != v:     # numexpr parses one integer
+                env["NUMEXPR_NUM_THREADS"] = first
+    import numexpr
+    return numexpr
+
+
 def _fused_kernel(*arrays, expr, names, dtype, shape=None, out=None):
-    import numexpr as ne
+    ne = _numexpr()
     r = ne.evaluate(expr, local_dict=dict(zip(names, arrays)), out=out)
     r = r if r.dtype == dtype else r.astype(dtype)
     if shape is not None and r.shape != tuple(shape):
@@ -366,7 +399,7 @@ def fuse_elementwise(graph, threshold=None):
     ``threshold`` elements (default :func:`fusion_threshold`) are fused; the fused
     expression's result dtype is checked on a tiny sample before it is accepted.
     """
-    import numexpr as ne
+    ne = _numexpr()
     thr = fusion_threshold() if threshold is None else threshold
     uses = _uses(graph)
     outs = {s.key() for s in graph.outputs}

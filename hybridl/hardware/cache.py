@@ -24,8 +24,10 @@ _MEAS_KEYS = {"name", "value", "unit", "method", "settings", "samples", "details
 
 
 def hybridl_home() -> str:
-    """``$HYBRIDL_HOME`` if set, else ``~/.hybridl`` (not created here)."""
-    return os.environ.get("HYBRIDL_HOME") or os.path.join(os.path.expanduser("~"), ".hybridl")
+    """``$HYBRIDL_HOME`` if set (``~`` expanded; blank counts as unset), else ``~/.hybridl``
+    (not created here)."""
+    home = os.environ.get("HYBRIDL_HOME", "").strip()
+    return os.path.expanduser(home) if home else os.path.join(os.path.expanduser("~"), ".hybridl")
 
 
 def cache_path() -> str:

@@ -42,7 +42,7 @@ def cores():
     n = _affinity()
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
         v = os.environ.get(var, "").strip()
-        if v.isdigit() and int(v) > 0:
+        if v.isascii() and v.isdigit() and int(v) > 0:   # ('²'.isdigit() is True)
             return max(1, min(n, int(v)))
     return max(1, n)
 
