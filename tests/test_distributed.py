@@ -300,6 +300,103 @@ if rank == 0:
         print("windows", {k: len(v[0]) for k, v in dist._shm._POOLS.items()})
 """
 
+_SHARDED_EDGES = """
+import sys
+import numpy as np
+import hybridl as hl
+from hybridl import distributed as dist, nn, autograd
+
+out, mode = sys.argv[1], sys.argv[2]
+rank, size = dist.init()
+dist._shm.MIN_BYTES = int(sys.argv[3])
+K = 4 if mode == "ensemble" else 1       # 4 models of one shape: 4 parameter windows
+
+
+def model():
+    net = nn.HybridSequential()
+    net.add(nn.Dense(64, in_units=20, activation="relu"), nn.Dense(10, in_units=64))
+    net.initialize()
+    return net
+
+
+hl.random.seed(0)
+nets = [model() for _ in range(K)]
+opt = ("adam", {"learning_rate": 0.01}) if mode == "loadstates" else \
+      ("sgd", {"learning_rate": 0.1, "momentum": 0.9})
+kw = dict(kvstore="dist", update_on_kvstore=True) if size > 1 else {}
+trs = [hl.Trainer(n.collect_params(), *opt, **kw) for n in nets]
+lf = hl.loss.SoftmaxCrossEntropyLoss()
+rngs = [np.random.default_rng(r) for r in range(2)]
+held = []
+for s in range(6):
+    data = [(r.standard_normal((8, 20)).astype("float32"), r.integers(0, 10, 8).astype("float32"))
+            for r in rngs]
+    x, y = data[rank] if size > 1 else (np.concatenate([d[0] for d in data]),
+                                        np.concatenate([d[1] for d in data]))
+    for net, tr in zip(nets, trs):
+        params = list(net.collect_params().values())
+        if mode == "setdata_one" and s == 2 and rank == 1:     # rank 0's values must win
+            for p in params:
+                p.set_data(p.data().asnumpy() + 1)
+        if mode == "loadstates" and s == 1:
+            if rank == 0:
+                tr.save_states(out + ".states")
+            if size > 1:
+                dist.barrier()                      # the file is there for rank 1
+        if mode == "loadstates" and s == 4 and rank == 1 and size > 1:
+            tr.load_states(out + ".states")         # an older file on rank 1 alone
+        if mode == "add" and s == 3:                # then the ordinary path
+            for p in params:
+                p.grad_req = "add"
+        for p in params:
+            if p.grad_req == "add":
+                p.zero_grad()
+        with autograd.record():
+            loss = lf(net(hl.nd.array(x)), hl.nd.array(y))
+        loss.backward()
+        if mode == "manual" and s >= 3:             # the ordinary path, by hand
+            tr.allreduce_grads()
+            tr.update(len(x))
+        else:
+            tr.step(len(x))
+        if mode == "hold":                          # every window held: the fallback path
+            held.append(params[0].data().reshape(-1))
+hl.waitall()
+vals = [p.data().asnumpy() for n in nets for p in n.collect_params().values()]
+if size > 1:
+    allv = dist._backend.state.comm.allgather(vals)
+    for r in range(1, size):
+        for a, b in zip(allv[0], allv[r]):
+            assert np.array_equal(a, b), f"rank {r} differs"
+if rank == 0:
+    np.savez(out, *vals)
+"""
+
+
+@mpi
+@pytest.mark.parametrize("mode,min_bytes", [
+    ("ensemble", "0"), ("hold", "0"), ("add", "0"), ("manual", "0"), ("setdata_one", "0"),
+    ("setdata_one", "32768"), ("loadstates", "0")])
+def test_update_on_kvstore_edge_cases(tmp_path, mode, min_bytes):
+    """From a break-it pass: 4 same-shaped models (the parameter pool held 3 windows) and
+    weight views held at every step (no free window) took a fallback that summed rows still
+    being written (ranks differed by 1e-2); the ordinary path after sharded steps updated the
+    ONE shared momentum once per rank; set_data on rank 1 alone diverged on the private
+    (small-bucket) path; load_states on rank 1 alone kept its own update counts (Adam's bias
+    correction differed per block). Each now equals one process on the global batch (rank
+    0's values win where one rank replaced them), on every rank."""
+    script = _script(tmp_path, "edges.py", _SHARDED_EDGES)
+    single = _single([script, str(tmp_path / "single.npz"), mode, "0"])
+    assert single.returncode == 0, single.stderr
+    out, _ = _mpirun([sys.executable, script, str(tmp_path / "dist.npz"), mode, min_bytes],
+                     timeout=90)
+    assert out.returncode == 0, out.stderr          # (the script checks the ranks agree)
+    if mode == "setdata_one":       # rank 1's step-2 gradient came from its own weights
+        return
+    a, b = np.load(tmp_path / "single.npz"), np.load(tmp_path / "dist.npz")
+    for k in a.files:
+        np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
 
 _FAIL = """
 import os, sys, time

@@ -50,6 +50,10 @@ from ._backend import DistributedError
 __all__ = ["SharedBuckets", "POOL_MAX", "MIN_BYTES", "has_room"]
 
 POOL_MAX = 3
+#: Parameter windows (``Trainer(update_on_kvstore=True)``) per bucket shape: each model of
+#: that shape holds one for good (a 4-model ensemble needs 4), and a view kept elsewhere one
+#: more; /dev/shm's room is checked before each, as for gradient windows.
+PARAM_POOL_MAX = 16
 #: Smaller buckets use ``MPI_Allreduce``: this path's fixed cost (the flag exchange, two
 #: barriers, Python) is ~20 us against MPI's 4-14 us up to 16 KB, while from 256 KB up it is
 #: 2.5-2.8x faster (2 ranks, development VM; ``benchmarks/distributed.py``, section 2).
@@ -109,6 +113,8 @@ class SharedBuckets:
         self.node, self.mpi, self.m, self.dtype = node, mpi, int(m), np.dtype(dtype)
         self.rank, self.size = node.Get_rank(), node.Get_size()
         self.rows = self.size if rows is None else int(rows)
+        # a parameter window is held by its model for good: one per model of this shape
+        self.pool_max = POOL_MAX if kind != "param" else PARAM_POOL_MAX
         self.wins, self.arrays = _POOLS.setdefault(
             (index, self.m, self.dtype.str, self.rows, kind), ([], []))
 
@@ -131,15 +137,16 @@ class SharedBuckets:
         MPI = self.mpi
         item = self.dtype.itemsize
         k = 0 if extra is None else len(extra)
-        flags = np.zeros(3 + POOL_MAX + k, dtype=np.int64)
+        pm = self.pool_max
+        flags = np.zeros(3 + pm + k, dtype=np.int64)
         flags[0], flags[1] = self.m, -self.m
         # no room for another window on this rank (checked only while the pool may grow)
-        flags[2] = len(self.arrays) >= POOL_MAX or not _has_room_cached(self.rows * self.m * item)
+        flags[2] = len(self.arrays) >= pm or not _has_room_cached(self.rows * self.m * item)
         for i in range(len(self.arrays)):
             # references: the list, getrefcount's argument -> 2 when no view of it is alive
             flags[3 + i] = sys.getrefcount(self.arrays[i]) > 2
         if k:
-            flags[3 + POOL_MAX:] = extra
+            flags[3 + pm:] = extra
         self.node.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
         if flags[0] != self.m or -flags[1] != self.m:
             raise DistributedError(
@@ -149,7 +156,7 @@ class SharedBuckets:
         got = next((self.arrays[i] for i in range(len(self.arrays)) if not flags[3 + i]), None)
         if got is None and not flags[2]:
             got = self._new()
-        return got if extra is None else (got, flags[3 + POOL_MAX:])
+        return got if extra is None else (got, flags[3 + pm:])
 
     def _new(self):
         """A new window of the pool (collective)."""

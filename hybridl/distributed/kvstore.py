@@ -444,8 +444,12 @@ class DistKVStore(KVStore):
         rank's own values (as with MXNet's update on the kvstore). The first step, and any
         step after a weight or a state was replaced on some rank (``set_data``,
         ``load_parameters``, ``load_states``), or a weight's buffer is also held elsewhere (a
-        view the update must not change), copies rank 0's values into a free parameter window
-        first, as the initial broadcast does.
+        view the update must not change), copies rank 0's weights, states and update counts
+        into a free parameter window first, as the initial broadcast does (buckets under
+        ``MIN_BYTES``, and buckets left without a window, sum by ``MPI_Allreduce`` or over the
+        whole rows and update privately; there too rank 0's values are broadcast after a
+        replacement). The weights are written in place: read them from another thread with
+        :func:`hybridl.ndarray.snapshot`.
 
         Args:
             jobs (dict): key -> ``(grad, weight, state, lr, wd)`` for EVERY key (NDArrays, the
@@ -464,7 +468,9 @@ class DistKVStore(KVStore):
         st = self._st
         n, dt, tag, size = b.n, b.dtype, b.tag, st.size
         lb = self.local_batch
-        extra = np.append(_backend.tag_values(tag, "sum", dt), [0, lb or 0, 1 if lb else 0])
+        # the tail (module docstring, 3.) and one more element: the ranks whose weights or
+        # states were replaced since their last private update (see run)
+        extra = np.append(_backend.tag_values(tag, "sum", dt), [0, lb or 0, 1 if lb else 0, 0])
         extra = extra.astype(dt)
         names = sorted(set().union(*(s["arrays"].keys() for _, _, s, _, _ in items)))
         for _, w, _, _, _ in items:
@@ -476,6 +482,8 @@ class DistKVStore(KVStore):
         if box.get("spec") != spec:
             box.clear()
             box["spec"] = spec
+        box["vars"] = writes        # (for detach_shared: ordered after this update)
+        box["device"] = items[0][1].device
 
         def bound():
             """Every weight and state is still the view of the windows it was given."""
@@ -484,6 +492,17 @@ class DistKVStore(KVStore):
                 return False
             for (_, w, s, _, _), v, sv in zip(items, box["views"], box["sviews"]):
                 if w._data is not v or any(s["arrays"].get(k) is not sv[k] for k in names):
+                    return False
+            return True
+
+        def bound_private():
+            """Every weight and state is still the array the last private update made."""
+            last = box.get("priv")
+            if last is None:
+                return False
+            for (_, w, s, _, _), (lw, ls) in zip(items, last):
+                if w._data is not lw or s["arrays"].keys() != ls.keys() or any(
+                        s["arrays"][k] is not a for k, a in ls.items()):
                     return False
             return True
 
@@ -515,6 +534,7 @@ class DistKVStore(KVStore):
             pack(hi, n)
             buf[n:] = extra
             buf[n + 2] = 1 if failed else 0
+            buf[n + 5] = 0 if bound_private() else 1
             if rows is None:
                 comm.Allreduce(st.mpi.IN_PLACE, buf, op=st.mpi.SUM)
                 tail = buf[n:]
@@ -541,12 +561,15 @@ class DistKVStore(KVStore):
             if P is None:                   # no window for the parameters: each rank sums
                 if rows is not None:        # and updates all of them in its own memory
                     pack(lo, hi)
+                    gpool.sync(rows)        # every row whole
                     buf = rows[0] + rows[1]
                     for q in range(2, size):
                         buf += rows[q]
-                    gpool.sync(rows)
+                    gpool.sync(rows)        # read by all before anybody writes it again
                 if factor != 1.0:
                     buf[:n] *= np.dtype(dt).type(factor)
+                if tail[5]:                 # replaced somewhere: rank 0's values, as at init
+                    self._bcast_private(comm, items, names, b)
                 self._update_private(box, items, names, b, buf, kern, rescale, clip)
                 return
             if hi > lo:
@@ -602,6 +625,10 @@ class DistKVStore(KVStore):
                     v = s["arrays"].get(k)
                     S[k][0, off:off + cnt] = 0 if v is None else np.asarray(v).reshape(-1)
         ppool.sync(P)
+        ts = np.array([s["t"] for _, _, s, _, _ in items], dtype=np.int64)
+        st.node.Bcast(ts, root=0)           # rank 0's update counts go with its states
+        for (_, _, s, _, _), t in zip(items, ts):
+            s["t"] = int(t)
         views, sviews = [], []
         for (_, w, s, _, _), off, cnt, shp in zip(items, b.offsets, b.counts, b.shapes):
             v = P[0, off:off + cnt].reshape(shp)
@@ -610,7 +637,8 @@ class DistKVStore(KVStore):
             s["arrays"].update(sv)
             views.append(v)
             sviews.append(sv)
-        box.update(P=P, S=S, views=views, sviews=sviews)
+        box.update(P=P, S=S, views=views, sviews=sviews, owners=[(w, s) for _, w, s, _, _ in items])
+        box.pop("priv", None)
         # references now: this local, box, the pool's list, one per view, getrefcount's
         # argument -- the same ones bound() sees; any more: a view made elsewhere
         box["refs"] = sys.getrefcount(P)
@@ -627,6 +655,52 @@ class DistKVStore(KVStore):
             s["arrays"] = sd
             s["t"] += 1
         box.pop("P", None)
+        box["priv"] = [(w._data, dict(s["arrays"])) for _, w, s, _, _ in items]
+
+    def _bcast_private(self, comm, items, names, b):
+        """Rank 0's weights, optimizer states and update counts into every rank's own copies
+        (collective)."""
+        dt = b.dtype
+        flat = np.empty(b.n * (1 + len(names)), dtype=dt)
+        ts = np.array([s["t"] for _, _, s, _, _ in items], dtype=np.int64)
+        if comm.Get_rank() == 0:
+            for j, src in enumerate(["w"] + names):
+                for (_, w, s, _, _), off, cnt in zip(items, b.offsets, b.counts):
+                    a = w._data if src == "w" else s["arrays"].get(src)
+                    flat[j * b.n + off:j * b.n + off + cnt] = 0 if a is None else \
+                        np.asarray(a).reshape(-1)
+        comm.Bcast(flat, root=0)
+        comm.Bcast(ts, root=0)
+        for (_, w, s, _, _), off, cnt, shp, t in zip(items, b.offsets, b.counts, b.shapes, ts):
+            w._data = flat[off:off + cnt].reshape(shp).copy()
+            s["arrays"] = {k: flat[(j + 1) * b.n + off:(j + 1) * b.n + off + cnt].reshape(shp).copy()
+                           for j, k in enumerate(names)}
+            s["t"] = int(t)
+
+    def detach_shared(self):
+        """Give every weight and optimizer state that lives in a shared window a private copy
+        (one engine op per bucket, after its pending updates): the Trainer calls it before
+        an update outside :meth:`pushpull_update` (``grad_req='add'``, ``allreduce_grads`` +
+        ``update`` by hand), which would otherwise update the ONE shared copy once per rank."""
+        for box in self._windows.values():
+            vs = box.get("vars")
+            if not vs:
+                continue
+
+            def detach(box=box):            # (at run time: an update still pending may
+                if box.get("P") is None:    # bind the windows first)
+                    return
+                for (w, s), v, sv in zip(box["owners"], box["views"], box["sviews"]):
+                    if w._data is v:
+                        w._data = np.array(v, copy=True)
+                    for k, a in sv.items():
+                        if s["arrays"].get(k) is a:
+                            s["arrays"][k] = np.array(a, copy=True)
+                for k in ("P", "S", "views", "sviews", "owners", "refs"):
+                    box.pop(k, None)
+
+            _engine.push(detach, list(vs), list(vs), box["device"], name="kv.detach_shared")
+            box["vars"] = None
 
     # ------------------------------------------------------------------ push / pull
     def push(self, key, value, priority=0):

@@ -256,6 +256,7 @@ class Trainer:
         self._reduced = {}
         if self._kv is None:
             return
+        self._detach_shared()
         if hasattr(self._kv, "local_batch"):    # a 'dist' store: this process's batch (from
             self._kv.local_batch = _batch       # step(); unknown when called directly)
         n = len(self._params)
@@ -445,8 +446,16 @@ class Trainer:
         _engine.push(functools.partial(_drop_failed_step, bufs, vs), vs, vs, bufs[0].device,
                      name="drop_failed_accumulation", meta={"runs_on_failed_input": True})
 
+    def _detach_shared(self):
+        """After sharded steps (``update_on_kvstore``), an update on this rank alone must not
+        write the shared weights and states: they get private copies first."""
+        detach = getattr(self._kv, "detach_shared", None)
+        if detach is not None:
+            detach()
+
     def update(self, batch_size):
         """Apply the optimizer (no gradient aggregation)."""
+        self._detach_shared()
         opt = self._optimizer
         workers = getattr(self._kv, "num_workers", 1) if self._kv is not None else 1
         opt.rescale_grad = getattr(opt, "scale", 1.0) / (batch_size * workers)
