@@ -505,14 +505,10 @@ def _check_save(path):
 
 
 def _launched_size():
-    """The number of processes of the MPI job that started this one (1 when none: the
-    launchers' environment, read before MPI is initialized)."""
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE"):
-        try:
-            return max(1, int(os.environ[var]))
-        except (KeyError, ValueError):
-            continue
-    return 1
+    """The number of processes of the MPI job that started this one, and the launcher's
+    variable that tells (``(1, None)`` when none)."""
+    from .distributed._backend import launched_size
+    return launched_size()
 
 
 def _train(args):
@@ -525,10 +521,11 @@ def _train(args):
             dist.init()
         except ValueError as e:     # a HYBRIDL_DIST_* setting (raised on every rank together)
             raise _SettingError(str(e)) from None
-    elif _launched_size() > 1:
-        raise ValueError(f"this process is one of {_launched_size()} started by mpiexec, but "
-                         f"--distributed is not given: each would train alone; add "
-                         f"--distributed")
+    elif _launched_size()[0] > 1:
+        n, var = _launched_size()
+        raise ValueError(f"this process is one of {n} started by mpiexec ({var}={n} in the "
+                         f"environment), but --distributed is not given: each would train "
+                         f"alone; add --distributed")
     rank0 = dist is None or dist.rank() == 0
     if args.save:
         # only rank 0 writes it (on a cluster the folder may exist on its node only); its

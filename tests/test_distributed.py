@@ -1065,3 +1065,31 @@ def test_uneven_local_batches_give_the_mean_over_the_global_batch(tmp_path, uok,
     ref = np.load(tmp_path / "s0.npy")
     for r in (0, 1):
         np.testing.assert_allclose(np.load(tmp_path / f"d{r}.npy"), ref, rtol=1e-5, atol=1e-7)
+
+
+_UNCAUGHT = """
+import numpy as np
+import hybridl as hl
+from hybridl import distributed as dist
+rank, size = dist.init()
+x = hl.nd.array(np.ones(4, np.float32))
+for i in range(5):
+    if i == 2 and rank == 1:
+        raise RuntimeError("boom on rank 1")
+    dist.allreduce(x).asnumpy()
+print("rank", rank, "finished")
+"""
+
+
+@mpi
+def test_an_uncaught_exception_on_one_rank_ends_the_job_at_once(tmp_path):
+    """From a new-user pass: rank 1's RuntimeError left rank 0 waiting in its next allreduce
+    for the whole HYBRIDL_DIST_TIMEOUT (60 s), and the job's exit code was the watchdog's 70.
+    Now the exception is printed and the job ends within about a second, exit code 1."""
+    script = _script(tmp_path, "uncaught.py", _UNCAUGHT)
+    out, dt = _mpirun([sys.executable, script], HYBRIDL_DIST_TIMEOUT=60)
+    assert out.returncode == 1, (out.returncode, out.stderr)
+    assert "RuntimeError: boom on rank 1" in out.stderr
+    assert "an uncaught RuntimeError ended this rank" in out.stderr
+    assert "rank 0 finished" not in out.stdout
+    assert dt < 20, dt

@@ -699,3 +699,17 @@ def test_load_states_refuses_a_file_of_a_trainer_over_fewer_parameters(tmp_path)
     fresh.save_states(str(tmp_path / "fresh.states"))
     full.load_states(str(tmp_path / "fresh.states"))
     assert full._states == {}
+
+
+def test_trainer_warns_when_an_mpi_job_trains_without_a_dist_store(monkeypatch):
+    """From a new-user pass: under mpiexec, a Trainer without kvstore='dist' trained every rank
+    alone, silently (hybridl train refuses that without --distributed)."""
+    monkeypatch.setenv("PMI_RANK", "0")
+    monkeypatch.setenv("PMI_SIZE", "2")
+    with pytest.warns(UserWarning, match=r"one of 2 started by an MPI launcher \(PMI_SIZE=2\)"):
+        optim.Trainer([_param(W0)], "sgd")
+    monkeypatch.delenv("PMI_RANK")          # a size left over, no launcher: one process
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optim.Trainer([_param(W0)], "sgd")

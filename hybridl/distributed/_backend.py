@@ -134,6 +134,23 @@ def launched_under_mpi():
     return any(v in os.environ for v in LAUNCHER_VARS)
 
 
+SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
+
+
+def launched_size():
+    """``(processes, variable)``: the size of the MPI job that started this process, read from
+    the launcher's environment before MPI is initialized, and the variable that said so
+    (``(1, None)`` when none did)."""
+    if not launched_under_mpi():
+        return 1, None
+    for var in SIZE_VARS:
+        try:
+            return max(1, int(os.environ[var])), var
+        except (KeyError, ValueError):
+            continue
+    return 1, None
+
+
 def set_timeout(seconds):
     """Seconds a collective may take before the watchdog aborts the job (see module docstring).
 
@@ -216,10 +233,31 @@ def init():
                 st.watchdog = threading.Thread(target=_watchdog, name="hybridl-dist-watchdog",
                                                daemon=True)
                 st.watchdog.start()
+                if sys.excepthook is not _excepthook:
+                    _PREV_HOOK[0] = sys.excepthook
+                    sys.excepthook = _excepthook
         elif errors:
             raise errors[0]
         st.initialized = True
     return st
+
+
+_PREV_HOOK = [sys.__excepthook__]
+#: seconds an uncaught exception waits before it ends the job: ranks that fail alike (a check
+#: every rank makes) print their own messages meanwhile
+UNCAUGHT_GRACE_S = 1.0
+
+
+def _excepthook(exc_type, exc, tb):
+    """An exception nobody caught on one rank of a job: printed as usual, then the whole job
+    ends at once (``MPI_Abort``, exit code 1) instead of the other ranks waiting in their next
+    collective for ``HYBRIDL_DIST_TIMEOUT`` seconds (as ``python -m mpi4py`` does)."""
+    _PREV_HOOK[0](exc_type, exc, tb)
+    try:
+        sys.stderr.flush()
+        time.sleep(UNCAUGHT_GRACE_S)
+    finally:
+        _abort(f"an uncaught {exc_type.__name__} ended this rank", code=1)
 
 
 def _watchdog():

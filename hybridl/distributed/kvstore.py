@@ -133,6 +133,12 @@ class DistKVStore(KVStore):
         # known). Ranks with different batches: the reduced gradients are rescaled so that
         # each rank's update 1 / (batch * size) becomes 1 / (the sum of the ranks' batches)
         self.local_batch = None
+        self.step_number = None     # the Trainer's step being reduced (for error messages)
+
+    def _at(self):
+        """`` (Trainer step k)`` for messages, when the Trainer told which step this is."""
+        k = self.step_number
+        return "" if k is None else f" (Trainer step {k}, counting from 1)"
 
     # ------------------------------------------------------------------ info
     @property
@@ -296,7 +302,10 @@ class DistKVStore(KVStore):
         for b in plan:
             layout = f"{b.index}|{b.dtype}|" + "|".join(f"{k!r}{s}" for k, s in zip(b.keys, b.shapes))
             b.tag = _backend.layout_tag(layout)
-            b.name = f"kv.allreduce[bucket {b.index}: {len(b.keys)} arrays, {b.nbytes / 2**20:.2f} MB]"
+            size = (f"{b.nbytes / 2**20:.2f} MiB" if b.nbytes >= 2 ** 20 else
+                    f"{b.nbytes / 2**10:.1f} KiB")
+            b.name = (f"kv.allreduce[bucket {b.index}: {len(b.keys)} "
+                      f"array{'s' if len(b.keys) != 1 else ''}, {size}]")
         self._plan = plan
         self._key_bucket = {k: b for b in plan for k in b.keys}
         self._staged = {}
@@ -366,6 +375,7 @@ class DistKVStore(KVStore):
             extra = extra.astype(dt)
 
         bufs = self._bufs
+        at = self._at()
 
         def run(comm):
             # the bucket's own buffers, the same every step: MPI libraries register (pin) the
@@ -406,7 +416,7 @@ class DistKVStore(KVStore):
                     _backend.check_tag(buf[n:n + 2], tag, "sum", size, f"gradient {b.name}")
                     if buf[n + 2]:
                         raise DistributedError(
-                            f"gradient {b.name}: the gradients of {int(buf[n + 2])} rank(s) "
+                            f"gradient {b.name}{at}: the gradients of {int(buf[n + 2])} rank(s) "
                             f"failed (their batch's error is raised there); every rank skips "
                             f"this step's update of these parameters")
                     total, known = float(buf[n + 3]), int(buf[n + 4])
@@ -482,6 +492,8 @@ class DistKVStore(KVStore):
         if box.get("spec") != spec:
             box.clear()
             box["spec"] = spec
+        at = self._at()
+        opname = b.name.replace("allreduce", "update")
         box["vars"] = writes        # (for detach_shared: ordered after this update)
         box["device"] = items[0][1].device
 
@@ -543,14 +555,14 @@ class DistKVStore(KVStore):
                 tail = rows[0, n:] + rows[1, n:]
                 for q in range(2, size):
                     tail += rows[q, n:]
-            _backend.check_tag(tail[:2], tag, "sum", size, f"gradient {b.name}")
+            _backend.check_tag(tail[:2], tag, "sum", size, f"gradient {opname}")
             if tail[2]:
                 if rows is not None:
                     gpool.sync(rows)        # nobody writes its row again before all have read
                 raise DistributedError(
-                    f"gradient {b.name}: the gradients of {int(tail[2])} rank(s) failed (their "
-                    f"batch's error is raised there); every rank skips this step's update of "
-                    f"these parameters")
+                    f"gradient {opname}{at}: the gradients of {int(tail[2])} rank(s) failed "
+                    f"(their batch's error is raised there); every rank skips this step's "
+                    f"update of these parameters")
             total, known = float(tail[3]), int(tail[4])
             factor = lb * size / total if known == size and lb and total != lb * size else 1.0
             P = S = None
@@ -600,8 +612,7 @@ class DistKVStore(KVStore):
 
         # (every raise in run comes before the first write of a weight or a state: they keep
         # their values, as an update skipped for a failed gradient)
-        _backend.push_collective(run, reads, writes, b.name.replace("allreduce", "update"),
-                                 b.nbytes, skip_clean=True)
+        _backend.push_collective(run, reads, writes, opname, b.nbytes, skip_clean=True)
 
     def _adopt(self, box, items, names, b, n, dt, st):
         """Put the bucket's weights and states in shared windows with rank 0's values (a free

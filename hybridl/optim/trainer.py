@@ -135,6 +135,14 @@ class Trainer:
         self._pushing = threading.Lock()    # one step's updates pushed, or a state snapshot
         self._ignore_stale = False
         _check_kvstore(kvstore)     # here, not at the first step
+        if not _is_dist(kvstore):
+            from ..distributed._backend import launched_size
+            n, var = launched_size()
+            if n > 1:                   # (hybridl train refuses this without --distributed)
+                warnings.warn(f"Trainer: this process is one of {n} started by an MPI launcher "
+                              f"({var}={n}) but kvstore={kvstore!r}: each process trains its "
+                              f"own model; pass kvstore='dist' for data-parallel training",
+                              UserWarning, stacklevel=2)
         self._kv_spec = kvstore
         self._kv = None
         self._kv_ready = False
@@ -259,6 +267,7 @@ class Trainer:
         self._detach_shared()
         if hasattr(self._kv, "local_batch"):    # a 'dist' store: this process's batch (from
             self._kv.local_batch = _batch       # step(); unknown when called directly)
+            self._kv.step_number = self._optimizer.num_update + 1
         n = len(self._params)
         # several processes: a parameter this rank's step did not use (its gradient is the
         # previous step's) adds zero and takes the others' step, so replicas stay identical
@@ -389,6 +398,7 @@ class Trainer:
         opt.rescale_grad = getattr(opt, "scale", 1.0) / (batch_size * kv.num_workers)
         opt.num_update += 1
         kv.local_batch = batch_size
+        kv.step_number = opt.num_update      # (incremented above: this step, from 1)
         self._reduced = {}
         with self._pushing:
             jobs = {}
