@@ -118,12 +118,6 @@ class SharedBuckets:
         self.wins, self.arrays = _POOLS.setdefault(
             (index, self.m, self.dtype.str, self.rows, kind), ([], []))
 
-    def _block(self, r):
-        m, n = self.m, self.size
-        lo = (r * m // n) // _ALIGN * _ALIGN if r else 0
-        hi = m if r == n - 1 else ((r + 1) * m // n) // _ALIGN * _ALIGN
-        return lo, hi
-
     def acquire(self, extra=None):
         """A window that no rank holds a view of (collective on the node: every rank calls it
         at the same point): its ``(rows, m)`` array, or None when every window of the pool is
@@ -183,8 +177,6 @@ class SharedBuckets:
         for w in wins:
             w.Sync()
 
-    _sync = sync
-
     def block(self, n=None):
         """``(lo, hi)``: this rank's columns of the first ``n`` (default ``m``) elements of a row
         (about ``n / N`` of them, cache-line aligned)."""
@@ -197,8 +189,8 @@ class SharedBuckets:
     def allreduce(self, arr):
         """Sum the rows of ``arr`` (from :meth:`acquire`, this rank's row already written) into
         every row; returns this rank's row (collective on the node)."""
-        self._sync(arr)
-        lo, hi = self._block(self.rank)
+        self.sync(arr)
+        lo, hi = self.block()
         if hi > lo:
             if self.size == 2:
                 dst = arr[self.rank, lo:hi]
@@ -210,5 +202,5 @@ class SharedBuckets:
                     acc += arr[s, lo:hi]
                 for s in range(self.size):
                     arr[s, lo:hi] = acc
-        self._sync(arr)
+        self.sync(arr)
         return arr[self.rank]

@@ -371,9 +371,7 @@ class Trainer:
         self._warn_unfrozen("Trainer.step", 3)
         self._ignore_stale = ignore_stale_grad
         accum = self._gate_accumulated()
-        if self._update_on_kv and not accum and self._step_on_kvstore(batch_size):
-            pass
-        else:
+        if not (self._update_on_kv and not accum and self._step_on_kvstore(batch_size)):
             self.allreduce_grads(_batch=batch_size)
             self.update(batch_size)
         if accum:
