@@ -1093,3 +1093,32 @@ def test_an_uncaught_exception_on_one_rank_ends_the_job_at_once(tmp_path):
     assert "an uncaught RuntimeError ended this rank" in out.stderr
     assert "rank 0 finished" not in out.stdout
     assert dt < 20, dt
+
+
+def test_pushpull_update_refuses_bad_jobs_and_a_single_process():
+    """One process (no launcher): can_update() is False and pushpull_update says so; bad
+    jobs are named before anything is pushed (the checks run in that order, so the single
+    process case is checked by patching can_update)."""
+    from hybridl.distributed.kvstore import DistKVStore
+    kv = DistKVStore()
+    w = hl.nd.array(np.ones((3, 4), np.float32))
+    kv.init([0], [w])
+    st = {"t": 0, "arrays": {}, "var": hl.engine.Var("s")}
+    kern = hl.optim.SGD().step_kernel
+    assert not kv.can_update()
+    with pytest.raises(RuntimeError, match="can_update"):
+        kv.pushpull_update({0: (w, w, st, 0.1, 0.0)}, kern, 1.0, None)
+    kv.can_update = lambda: True
+    with pytest.raises(KeyError, match=r"missing \[0\], not initialized \[\]"):
+        kv.pushpull_update({}, kern, 1.0, None)
+    with pytest.raises(KeyError, match=r"not initialized \[5\]"):
+        kv.pushpull_update({0: (w, w, st, 0.1, 0.0), 5: (w, w, st, 0.1, 0.0)}, kern, 1.0, None)
+    with pytest.raises(TypeError, match=r"jobs\[0\]: expected \(grad NDArray"):
+        kv.pushpull_update({0: "x"}, kern, 1.0, None)
+    with pytest.raises(ValueError, match="shape"):
+        kv.pushpull_update({0: (hl.nd.zeros((2, 2)), w, st, 0.1, 0.0)}, kern, 1.0, None)
+    w64 = hl.nd.array(np.ones((3, 4)), dtype="float64")
+    with pytest.raises(ValueError, match="float64"):
+        kv.pushpull_update({0: (w64, w, st, 0.1, 0.0)}, kern, 1.0, None)
+    hl.waitall()                    # nothing was pushed
+    np.testing.assert_array_equal(w.asnumpy(), np.ones((3, 4), np.float32))

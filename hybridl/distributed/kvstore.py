@@ -468,9 +468,42 @@ class DistKVStore(KVStore):
             rescale (float), clip (float or None): its gradient scale and clipping.
 
         Raises:
-            KeyError: a key missing from ``jobs``.  DistributedError (at a sync point, on
-            every rank): a rank's gradients failed or the layouts differ; nothing is updated.
+            RuntimeError: not :meth:`can_update` (one process, ranks on several machines,
+                ``HYBRIDL_DIST_SHM=0``: use :meth:`pushpull` and the optimizer).
+            KeyError: ``jobs`` lacks an initialized key, or has one that is not.
+            TypeError: a job is not ``(grad, weight, state, lr, wd)`` with NDArrays and the
+                Trainer's state dict.  ValueError: a grad or weight whose shape or dtype
+                differs from the key's initialized value.
+            DistributedError (at a sync point, on every rank): a rank's gradients failed or
+                the layouts differ; nothing is updated.
         """
+        if not self.can_update():
+            raise RuntimeError("pushpull_update: needs several ranks on one machine with the "
+                               "shared-memory path on (can_update() is False here); use "
+                               "pushpull and apply the optimizer on each rank")
+        if not isinstance(jobs, dict):
+            raise TypeError(f"jobs: expected a dict key -> (grad, weight, state, lr, wd), got "
+                            f"{type(jobs).__name__}")
+        missing = [k for k in self._meta if k not in jobs]
+        extra = [k for k in jobs if k not in self._meta]
+        if missing or extra:
+            raise KeyError(f"pushpull_update: jobs must hold every initialized key once: "
+                           f"missing {missing}, not initialized {extra}")
+        from ..ndarray import NDArray
+        for k, job in jobs.items():
+            ok = isinstance(job, tuple) and len(job) == 5
+            if ok:
+                g, w, state = job[:3]
+                ok = (isinstance(g, NDArray) and isinstance(w, NDArray) and isinstance(state, dict)
+                      and {"t", "arrays", "var"} <= state.keys())
+            if not ok:
+                raise TypeError(f"jobs[{k!r}]: expected (grad NDArray, weight NDArray, state "
+                                f"dict with 't', 'arrays', 'var', lr, wd), got {job!r:.120}")
+            self._check(k, [g, w], "grad/weight")
+            dt = self._meta[k][1]
+            if g.dtype != dt or w.dtype != dt:
+                raise ValueError(f"jobs[{k!r}]: grad {g.dtype} / weight {w.dtype}, the "
+                                 f"initialized value is {dt}")
         for b in self._get_plan():
             self._launch_update(b, [jobs[k] for k in b.keys], kern, rescale, clip)
 
