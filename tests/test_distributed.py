@@ -181,6 +181,15 @@ HAVE_MPI = importlib.util.find_spec("mpi4py") is not None and MPIEXEC is not Non
 mpi = pytest.mark.skipif(not HAVE_MPI, reason="needs mpi4py and mpiexec (pip install "
                                               "'hybridl[mpi]')")
 
+# each step's global batch, and this rank's rows of it (the training scripts below)
+_GLOBAL_BATCH = """
+loss_fn = hl.loss.SoftmaxCrossEntropyLoss()
+rng = np.random.default_rng(1)
+X = rng.standard_normal((steps, gb, dims[0])).astype(np.float32)
+Y = rng.integers(0, dims[-1], (steps, gb)).astype(np.float32)
+lo, hi = rank * gb // size, (rank + 1) * gb // size
+"""
+
 _TRAIN = """
 import sys
 import numpy as np
@@ -206,12 +215,7 @@ if rank == 1:        # rank 0's parameters must win (broadcast at the Trainer's 
 kv = dist.DistKVStore(bucket_mb=0.001 if mode == "eq" else 1.0) if size > 1 else None
 trainer = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
                      kvstore=kv)
-loss_fn = hl.loss.SoftmaxCrossEntropyLoss()
-rng = np.random.default_rng(1)
-X = rng.standard_normal((steps, gb, dims[0])).astype(np.float32)
-Y = rng.integers(0, dims[-1], (steps, gb)).astype(np.float32)
-lo, hi = rank * gb // size, (rank + 1) * gb // size
-prof = None
+""" + _GLOBAL_BATCH + """prof = None
 kept, kept_np = [], []
 for s in range(steps):
     if mode == "overlap" and s == steps - 1:
@@ -266,12 +270,7 @@ hp = {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-3} if opt == "sgd" else \
      {"learning_rate": 0.01, "wd": 1e-3}
 kv = dist.DistKVStore(bucket_mb=0.001) if size > 1 else None
 trainer = hl.Trainer(net.collect_params(), opt, hp, kvstore=kv, update_on_kvstore=True if size > 1 else None)
-loss_fn = hl.loss.SoftmaxCrossEntropyLoss()
-rng = np.random.default_rng(1)
-X = rng.standard_normal((steps, gb, dims[0])).astype(np.float32)
-Y = rng.integers(0, dims[-1], (steps, gb)).astype(np.float32)
-lo, hi = rank * gb // size, (rank + 1) * gb // size
-held = None
+""" + _GLOBAL_BATCH + """held = None
 for s in range(steps):
     x, y = hl.nd.array(X[s, lo:hi]), hl.nd.array(Y[s, lo:hi])
     with autograd.record():

@@ -16,8 +16,8 @@ The symbolic differentiation itself lives in :mod:`hybridl.graph.autodiff`. Ever
 meaning: the tests check each on random graphs and inputs (hypothesis).
 """
 import builtins
-
 import os
+import sys
 
 import numpy as np
 
@@ -325,6 +325,7 @@ def measure_fusion_threshold(sizes=None, reps=15):
 
 
 _NE_MAX = 1024
+_NE = []            # the numexpr module once imported (the fused kernels ask on every call)
 
 
 def _numexpr():
@@ -337,8 +338,9 @@ def _numexpr():
     Raises:
         ValueError: a variable that is set but not an integer in [1, 1024] (its name, value
             and what was expected)."""
-    import sys as _sys
-    if "numexpr" not in _sys.modules:
+    if _NE:
+        return _NE[0]
+    if "numexpr" not in sys.modules:
         env = os.environ
         for var in ("NUMEXPR_MAX_THREADS", "NUMEXPR_NUM_THREADS", "OMP_NUM_THREADS"):
             v = env.get(var, "").strip()
@@ -352,6 +354,7 @@ def _numexpr():
             if var == "OMP_NUM_THREADS" and first != v:     # numexpr parses one integer
                 env["NUMEXPR_NUM_THREADS"] = first
     import numexpr
+    _NE.append(numexpr)
     return numexpr
 
 
