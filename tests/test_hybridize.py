@@ -3,6 +3,7 @@ hl.models (outputs, parameter gradients, BatchNorm running statistics, Dropout u
 the signature cache and its retrace reasons, TracingError on value-dependent Python, no
 aliasing across calls, parameter updates seen by the compiled program, jit static arguments."""
 import re
+import threading
 import warnings
 
 import numpy as np
@@ -458,6 +459,68 @@ def test_set_data_and_trainer_updates_are_seen():
     ye2, yh2 = eager(nd.array(x)).asnumpy(), hyb(nd.array(x)).asnumpy()
     assert not np.allclose(ye2, ye)
     np.testing.assert_allclose(yh2, ye2, rtol=1e-5, atol=1e-6)
+
+
+def test_repeat_calls_through_the_engines_inline_lane():
+    """A repeated inference call (one output, nothing recorded) runs the program through the
+    threaded engine's inline lane (ThreadedEngine.inline_lane): each call a fresh array equal
+    to the eager result; an input still being computed or an engine switch takes the general
+    path; a kernel failing on the lane is stored on the output, not raised at the call, and
+    the block is fine after."""
+    from hybridl.engine import ThreadedEngine
+
+    class Pick(nn.HybridBlock):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Dense(3, in_units=4)
+
+        def forward(self, x, idx):
+            return nd.take(self.fc(x), idx, axis=1, mode="raise")
+    rng = np.random.default_rng(5)
+    x = nd.array(rng.standard_normal((2, 4)).astype(np.float32))
+    ok, bad = nd.array(np.array([2, 0])), nd.array(np.array([1, 9]))
+    net = Pick()
+    net.initialize()
+    w, b = net.fc.weight.data().asnumpy(), net.fc.bias.data().asnumpy()
+    want = (x.asnumpy() @ w.T + b)[:, [2, 0]]
+    net.hybridize()
+    e = ThreadedEngine(inline_s=1.0)
+    try:
+        with hl.engine.set_engine(e):
+            outs = [net(x, ok).wait_to_read() for _ in range(3)]   # the cost learned
+            cell = e._cost[net.last_program._ckey]
+            runs = cell[1]
+            general = []                                # calls of the general fast path
+            e.run_ready = lambda *a, f=e.run_ready: general.append(a) or f(*a)
+            outs.append(net(x, ok))
+            assert cell[1] == runs + 1 and not general  # it ran inline, on the lane
+            assert len({id(o) for o in outs}) == len(outs)
+            for o in outs:
+                np.testing.assert_allclose(o.asnumpy(), want, rtol=1e-6)
+            y = net(x, bad)                             # IndexError on the lane: stored
+            assert cell[1] == runs + 2 and not general
+            with pytest.raises(hl.OpError) as ei:
+                y.wait_to_read()
+            assert isinstance(ei.value.__cause__, IndexError)
+            with pytest.raises(hl.OpError):
+                hl.waitall()
+            np.testing.assert_allclose(net(x, ok).asnumpy(), want, rtol=1e-6)
+            # an input written by a pushed op not yet run: the general path waits for it
+            slow = nd.array(np.zeros((2, 4), np.float32))
+            gate = threading.Event()
+            e.push(gate.wait, [], [slow._var], slow.device, 0, "gate")
+            z = net(slow, ok)
+            assert len(general) == 1                    # not ready: the general path
+            gate.set()
+            np.testing.assert_allclose(z.asnumpy(), np.broadcast_to(b[[2, 0]], (2, 2)), rtol=1e-6)
+        with hl.engine.set_engine("naive"):                # another engine: its own path
+            np.testing.assert_allclose(net(x, ok).asnumpy(), want, rtol=1e-6)
+            with pytest.raises(hl.OpError):
+                net(x, bad)                             # the naive engine raises at the line
+        with hl.engine.set_engine(e):
+            np.testing.assert_allclose(net(x, ok).asnumpy(), want, rtol=1e-6)
+    finally:
+        e.shutdown()
 
 
 @pytest.mark.filterwarnings("ignore:.*retraced")

@@ -87,6 +87,17 @@ def _op_error(name, e):
     return err
 
 
+def _failed(name, e, outs):
+    """The OpError of kernel ``name`` that raised ``e`` when run without an op (see
+    Engine.run_ready), stored on the outputs' Vars; a Ctrl-C goes on as KeyboardInterrupt."""
+    err = _op_error(name, e)
+    for o in outs:
+        o._var.exc = err
+    if _interrupted(e):
+        raise KeyboardInterrupt from None
+    return err
+
+
 def _interrupted(e):
     """Whether ``e`` is a Ctrl-C that reached an op run by the main thread (inline or while
     waiting): it goes on to the program as KeyboardInterrupt, as any Ctrl-C; the op's outputs
@@ -310,6 +321,11 @@ class Engine:
         ``len(outs) > 1``. The outputs must be fresh arrays nobody else has pushed ops on."""
         return False
 
+    def inline_lane(self, cost_key, name):
+        """A specialised :meth:`run_ready` for one cost key (see ThreadedEngine.inline_lane),
+        or None when the engine has none: the caller uses run_ready."""
+        return None
+
     def _run_now(self, kernel, arrays, outs, attrs, name, cell):
         """Run the kernel of :meth:`run_ready` (inputs known ready); returns the OpError or None.
         ``cell``: the cost cell to time this run into, or None."""
@@ -322,12 +338,7 @@ class Engine:
                 for o, r in zip(outs, res):
                     o._data = r
         except BaseException as e:  # noqa: BLE001 - stored on the outputs as a pushed op's
-            err = _op_error(name, e)
-            for o in outs:
-                o._var.exc = err
-            if _interrupted(e):
-                raise KeyboardInterrupt from None
-            return err
+            return _failed(name, e, outs)
         if cell is not None:
             _learn(cell, _cpu() - c0)
         return None

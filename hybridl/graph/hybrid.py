@@ -18,6 +18,7 @@ import warnings
 import weakref
 
 from .. import autograd
+from .. import engine as _engine
 from ..ndarray import NDArray, _eager_exec
 from ..ops import math as M
 from ..ops.dispatch import apply
@@ -448,6 +449,10 @@ def _fast_call(cache, entry, sig, args):
     single = entry.single and entry.n_user == 1 and not entry.side_params and entry.treedef is None
     op, ospecs, ckey = prog.op, prog.out_specs, prog._ckey
     (shape0, dtype0), n_out = ospecs[0], len(ospecs)
+    # one output, nothing recorded: the engine's lane for this kernel (run_ready without its
+    # per-call lookups), made for the engine in use at the first call and again after a switch
+    laned = n_out == 1 and not recording and not op.random
+    kernel, lane = op.kernel, [None, None]
 
     def fast(args):
         if (len(args) != n or ag.training != training or ag.recording != recording
@@ -462,6 +467,12 @@ def _fast_call(cache, entry, sig, args):
         if not single:
             return _run(entry, args, pvals)
         out = NDArray(shape0, dtype0, dev)
+        if laned:
+            eng = _engine._current             # (get_engine(), one call less)
+            if lane[0] is not eng:
+                lane[:] = [eng, eng.inline_lane(ckey, op.name)]
+            if lane[1] is not None and lane[1](kernel, [*args, *pvals], out):
+                return out
         outs = [out] if n_out == 1 else [out] + [NDArray(s, d, dev) for s, d in ospecs[1:]]
         _eager_exec(op, [*args, *pvals], outs, ospecs, {}, dev, ckey)
         return out
