@@ -16,8 +16,8 @@ from _thread import allocate_lock as _allocate_lock
 from _thread import get_ident as _get_ident
 from time import perf_counter as _now
 
-from .base import _GROUP_META, _KEYS, Engine, OpError, _blas_module, _cpu, _failed, _Op, _untimed
-from .base import _learn as _learn_cell
+from .base import (_GROUP_META, _KEYS, Engine, OpError, _blas_module, _cpu, _failed, _learn, _Op,
+                   _untimed)
 
 __all__ = ["ThreadedEngine"]
 
@@ -427,9 +427,6 @@ class ThreadedEngine(Engine):
         the MLP 512-256-128-2 forward at batch 1 of benchmarks/hybridize.py)."""
         cost = self._cost
         box = [cost.get(cost_key)]
-        keys = _KEYS
-        learn = _learn_cell
-        cpu = _cpu
 
         def run(kernel, arrays, out):
             cell = box[0]
@@ -438,22 +435,22 @@ class ThreadedEngine(Engine):
                 if cell is None:
                     return False
             c = cell[0]
-            if (c is None or not c < self.inline_s or self._gating or self._gen != keys["gen"]
-                    or self._cost is not cost or not self._may_run_now(arrays)):
+            if (c is None or not c < self.inline_s or self._gating or self._gen != _KEYS["gen"]
+                    or not self._may_run_now(arrays)):
                 return False
             g = self._gap
             t_in = _now() if g is not None else 0.0
             runs = cell[1]
             cell[1] = runs + 1
             timed = not runs & _untimed(runs)
-            c0 = cpu() if timed else 0.0
+            c0 = _cpu() if timed else 0.0
             try:
                 out._data = kernel(*[a._data for a in arrays])
             except BaseException as e:  # noqa: BLE001 - as Engine._run_now
                 self._keep_error(_failed(name, e, (out,)))
                 return True
             if timed:
-                learn(cell, cpu() - c0)
+                _learn(cell, _cpu() - c0)
             if g is not None and g is self._gap:    # (see run_ready)
                 if t_in - g[2] > g[3]:
                     g[3] = t_in - g[2]
