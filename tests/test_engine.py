@@ -659,6 +659,9 @@ _WIDE_SCRIPT = textwrap.dedent("""
     phase(9)                                # back to every core
     phase(14, work=0.005)                   # 5 ms of frontend time after each push
     phase(20)                               # (weight 1/4 per push: ~13 pushes to go back)
+    e.push(lambda: None, [], [Var()], ("comm", "mpi"), name="collective")   # a communication
+    e.waitall()                             # queue's thread is no compute worker:
+    phase(4)                                # still nothing beside the op
     e.push(lambda: None, [], [Var()], hl.cpu(1), name="start")   # a second device: the
     e.waitall()                             # budget halves, for every later push
     phase(4)
@@ -675,20 +678,22 @@ def _solo_phases(env=None):
 
 
 def _check_solo_phases(phases):
-    one, pinned, back, busy, again, two, _ = phases
+    one, pinned, back, busy, again, comm, two, _ = phases
     assert one[1:] == "PPP"                 # (the first run, the lesson, ran anywhere)
     assert pinned[-3:] == "PPP"             # fewer BLAS threads: still nothing beside it
     assert back[-3:] == "PPP"
     assert busy[-4:] == "wwww"              # 5 ms of frontend work >> the op's 0.3 ms (the
     # average grows at most 1.75x per push: one time slice lost to the machine is no trend)
     assert again[-3:] == "PPP"              # the average comes back down
+    assert comm[1:] == "PPP"                # an MPI communication thread: still one worker
     assert two == "wwww"                    # a second device's worker could run beside it
 
 
 def test_with_one_compute_worker_ops_run_in_the_pusher_unless_the_frontend_keeps_working():
     """One device, one worker: a ready op runs in the pushing thread once its cost is known,
     unless the frontend usually keeps working for long after pushing it (moving average);
-    after the first push to a second device, ops go to the workers again. Another op is
+    after the first push to a second device, ops go to the workers again (not after one to
+    the MPI communication queue: its thread runs no kernels). Another op is
     pushed before each wait (no synchronous loop): without the rule the worker, or the
     waiter, would run every one. In a fresh process: the budget depends on the devices the
     process has used."""

@@ -184,8 +184,9 @@ _PIN = []       # [hybridl.ops._blas._state] once imported (its "pin": blas_thre
 
 
 # Queue keys pushed to in this process, by any engine (see Engine.blas_budget): devices, and
-# tuple keys whose first element is in _BUSY_QUEUES, count; "gen" changes with the count
-_KEYS = {"seen": set(), "busy": 0, "gen": 0}
+# tuple keys whose first element is in _BUSY_QUEUES, count; "gen" changes with the count;
+# "compute": the worker threads of the devices alone (no communication thread)
+_KEYS = {"seen": set(), "busy": 0, "compute": 0, "gen": 0}
 _KEYS_LOCK = threading.Lock()
 _BUSY_QUEUES = ("comm",)        # the MPI communication thread polls the network
 
@@ -462,6 +463,8 @@ class Engine:
                         # the worker threads of the engine that uses the device first; the
                         # count stays when the program switches engines
                         _KEYS["busy"] += self._workers_per_key()
+                        if type(key) is not tuple:
+                            _KEYS["compute"] += self._workers_per_key()
                         _KEYS["gen"] += 1
         if self._gen != _KEYS["gen"]:
             self.blas_budget()

@@ -134,10 +134,10 @@ class ThreadedEngine(Engine):
     the frontend takes a core from the BLAS threads and OpenBLAS's static split waits for the
     thread that lost it (MLP 784-256-128-10, batch 256, 2 cores: its first GEMM 474 -> 685 us
     beside a 150 us burst of pushes). Eager training steps on 2 cores, ``benchmarks/
-    train_step.py``: MLP batch 256 ~20% faster, LeNet ~7%. With several devices (or workers,
-    or MPI collectives, whose communication thread then overlaps backward) ops stay
-    asynchronous: another worker can run beside them. Copies and collectives (their own
-    queues) always do.
+    train_step.py``: MLP batch 256 ~20% faster, LeNet ~7%. With several devices (or workers)
+    ops stay asynchronous: another worker can run beside them. Copies and collectives (their
+    own queues) always do; an MPI communication thread does not count as a compute worker
+    (its collectives overlap the inline backward from their own thread).
 
     Hand-over: a push that wakes an idle worker waits (GIL released) until that worker has
     taken the op, at most 2 ms. Otherwise the worker, needing the GIL for a moment to start the
@@ -209,9 +209,13 @@ class ThreadedEngine(Engine):
     def _budget_changed(self, budget):
         # one compute worker in the process: nothing but the frontend could run beside an op
         # (a second device or worker lowers the budget: ops go back to the workers at once)
-        self._solo = _KEYS["busy"] <= 1   # (an MPI communication thread counts: with backward
-        # ops queued rather than run at their push, the frontend reaches the gradients'
-        # allreduce pushes early, and they overlap the rest of backward)
+        # (an MPI communication thread does not count: it runs collectives, not kernels, and
+        # a rank pinned to one core has no core for a compute worker beside its frontend --
+        # queued there, every op paid a hand-over between two threads on one core, and the
+        # alone phase of benchmarks/distributed.py, in a process with a communication
+        # thread, ran slower than a 1-rank job. Run at their push, backward's ops still push
+        # each bucket's allreduce once its gradients exist, and it overlaps the rest)
+        self._solo = _KEYS["compute"] <= 1
         if self._budget is not None and budget != self._budget:
             self._gating = True
         self._budget = budget
