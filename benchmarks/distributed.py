@@ -18,6 +18,10 @@ itself under ``mpiexec -n 1`` and ``-n 2`` (worker mode) and prints the figures.
    phases: one rank trains alone (its own model, no kvstore; the other rank sleeps, so its
    core is idle as in a 1-rank job; the ranks take turns), then both train together with
    kvstore 'dist'. Efficiency = median over ``--cycles`` of (alone / together) time per step.
+   Row "no comm (floor)": both ranks train at once, each its own model with no kvstore (the
+   slower rank's time): what running two processes side by side costs without any
+   communication (shared memory bandwidth and caches, the VM's neighbours), the most the
+   other rows could reach.
    This VM's speed drifts by up to 2x within seconds; separate 1-rank and 2-rank jobs do not
    share that drift, a cycle's two phases mostly do (separate jobs gave 47-92% for the same
    code; interleaved cycles agree to a few percent). Section 1b (``--separate``, and always
@@ -168,7 +172,7 @@ def _worker_interleaved(args):
     for mode in modes * 2:          # warm-up
         phase(mode, args.warmup)
     comm.Barrier()
-    alone, together, sharded = [], [], []
+    alone, together, sharded, both = [], [], [], []
     for c in range(args.cycles):
         solo = c % 2                # the ranks take turns, so both cores are measured alone
         comm.Barrier()
@@ -177,6 +181,8 @@ def _worker_interleaved(args):
             comm.Ibarrier().Wait()
         else:
             idle_until_partner_done()
+        comm.Barrier()                      # both ranks, each alone: no communication at all
+        both.append(comm.allreduce(phase("alone", args.steps), op=state.mpi.MAX))
         for mode, got in (("together", together), ("sharded", sharded)):
             comm.Barrier()
             t = phase(mode, args.steps)
@@ -185,7 +191,7 @@ def _worker_interleaved(args):
     if rank == 0:
         a = [alone[c % 2][c // 2] for c in range(args.cycles)]     # cycle c's lone rank
         with open(args.out, "w") as f:
-            json.dump({"model": args.model, "alone_s": a, "together_s": together,
+            json.dump({"model": args.model, "alone_s": a, "together_s": together, "both_s": both,
                        "sharded_s": sharded}, f)
 
 
@@ -324,10 +330,11 @@ def main():
     cycles = max(2, args.cycles // 2 if args.quick else args.cycles)
     print(f"\n1. Weak scaling, interleaved in one 2-rank job: {PER_RANK_BATCH} samples per rank "
           f"per step; {cycles} cycles of (one rank trains alone for the 1-rank figure while the "
-          f"other sleeps, then both train with kvstore 'dist', then both with kvstore 'dist' "
+          f"other sleeps, then both train with no kvstore, then with kvstore 'dist', then with kvstore 'dist' "
           f"and update_on_kvstore=True), ~0.1 s each phase, so the VM's drift cancels in each "
           f"cycle; efficiency = time per step alone / together, median of the cycles "
-          f"[quartiles]. 'allreduce': the gradients summed on every rank, each rank updates "
+          f"[quartiles]. 'no comm (floor)': both ranks train at once with no kvstore (the slower "
+          f"one's time). 'allreduce': the gradients summed on every rank, each rank updates "
           f"every parameter; 'sharded update': each rank sums and updates half of the "
           f"parameters, in one shared copy (Trainer(..., update_on_kvstore=True))")
     print(f"{'model':<9}{'path':<17}{'alone ms':>10}{'2 ranks ms':>12}{'efficiency':>12}"
@@ -338,7 +345,8 @@ def main():
         d = _run(mpiexec, 2, ["interleaved", "--model", model, "--steps", str(n_steps),
                               "--cycles", str(cycles), "--batch-size", str(PER_RANK_BATCH)])
         a_ms = statistics.median(d["alone_s"]) * 1e3
-        for path, key in (("allreduce", "together_s"), ("sharded update", "sharded_s")):
+        for path, key in (("no comm (floor)", "both_s"), ("allreduce", "together_s"),
+                          ("sharded update", "sharded_s")):
             effs = sorted(a / t for a, t in zip(d["alone_s"], d[key]))
             q = statistics.quantiles(effs, n=4) if len(effs) >= 2 else [effs[0]] * 3
             t_ms = statistics.median(d[key]) * 1e3
