@@ -111,6 +111,23 @@ def _bound(p):
           f"ratio {best:.3f}")
 
 
+def _plain_step_plan(mk, x, y):
+    """The memory plan of the TrainStep program of ``mk()`` compiled without the release of
+    ReLU outputs (every activation below its size threshold)."""
+    from hybridl.graph import step as step_mod
+    saved = step_mod.MASK_MIN_BYTES
+    step_mod.MASK_MIN_BYTES = 1 << 62
+    try:
+        net = mk()
+        tr = hl.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+        st = hl.TrainStep(net, hl.loss.SoftmaxCrossEntropyLoss(), tr)
+        st(x, y)
+        hl.waitall()
+        return st.last_program.memory_plan
+    finally:
+        step_mod.MASK_MIN_BYTES = saved
+
+
 def memory():
     print("\n== Memory: joint forward+backward training programs ==")
     for name, mk, shape, b in (("MLP 784-256-128-10", mlp_net, (784,), 256),
@@ -154,6 +171,13 @@ def memory():
                       f"naive {p.naive_bytes / 2**20:.2f} MiB, planned {p.planned_bytes / 2**20:.2f} "
                       f"MiB, ratio {p.ratio:.2f} (target <= 0.5)")
                 _bound(p)
+                q = _plain_step_plan(mk, x, y)
+                if q.live_peak_bytes != p.live_peak_bytes:
+                    print(f"  {'':20s}   without releasing a ReLU output at its weight gradient "
+                          f"(hybridl.graph.step._release_relu_inputs): naive "
+                          f"{q.naive_bytes / 2**20:.2f} MiB, most bytes live at once "
+                          f"{q.live_peak_bytes / 2**20:.3f} MiB; the release's peak / that "
+                          f"program's naive bytes: {p.live_peak_bytes / q.naive_bytes:.2f}")
         print(f"  {'':20s} tracemalloc peak per step: eager {peaks['eager'] / 2**20:.2f} MiB, "
               f"hybridized {peaks['hybridized'] / 2**20:.2f} MiB "
               f"({peaks['hybridized'] / peaks['eager']:.2f}x), TrainStep "
