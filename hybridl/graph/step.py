@@ -206,7 +206,7 @@ def _release_relu_inputs(graph):
 
     Only the largest such ``y`` (the first of equals): the peak is at most at one place, and
     every release costs a mask op and an update not fused with its GEMM (the caller keeps the
-    result only when the peak went down).
+    result only when the peak went down, :func:`_lower_peak`).
 
     Returns (graph, keys of the released ``y``): their weight-gradient products must stay
     separate ops (a fused gemm_update would read ``y`` after ``g @ w``)."""
@@ -236,6 +236,14 @@ def _release_relu_inputs(graph):
                                   "relu mask").out()
             released.add(ny.key())
     return Graph(graph.inputs, [mapping[s.key()] for s in graph.outputs]), released
+
+
+def _lower_peak(plain, released):
+    """The program of the two whose memory plan has fewer bytes live at once (``plain`` on a
+    tie)."""
+    if released.memory_plan.live_peak_bytes < plain.memory_plan.live_peak_bytes:
+        return released
+    return plain
 
 
 def _release_candidates(graph):
@@ -592,13 +600,13 @@ class TrainStep:
         plan = any(p == "plan_memory" or p is planner for p in self._passes)
         graph = run_passes(graph, [p for p in self._passes if p != "plan_memory" and p is not planner])
         graph = _fuse_loss_and_grad(graph)
-        prog = self._program(graph, plan, release=False)
-        if plan and _release_candidates(graph):
+        prog = self._program(graph, plan)
+        if plan:
             # the largest ReLU output released at its weight gradient: kept only when that
             # lowers the plan's peak (elsewhere it costs a mask op and an unfused update)
-            alt = self._program(graph, plan, release=True)
-            if alt.memory_plan.live_peak_bytes < prog.memory_plan.live_peak_bytes:
-                prog = alt
+            released_graph, released = _release_relu_inputs(graph)
+            if released:
+                prog = _lower_peak(prog, self._program(released_graph, plan, released))
         e.prog, e.params, e.upd, e.side = prog, params, upd, side_params
         e.tindex = [index[id(p)] for p in upd]
         pos = {id(p): j for j, p in enumerate(params)}
@@ -613,9 +621,9 @@ class TrainStep:
         e.ckey = ("train_step", next(_PROGRAM_NUMBERS))   # not id(): ids are reused
         return e
 
-    def _program(self, graph, plan, release):
-        """The program of ``graph`` (updates included) after the step's own rewrites."""
-        graph, released = _release_relu_inputs(graph) if release else (graph, set())
+    def _program(self, graph, plan, released=frozenset()):
+        """The program of ``graph`` (updates included) after the step's own rewrites;
+        ``released``: the values _release_relu_inputs released in it."""
         if self._fuse_updates:
             graph = _fuse_gemm_updates(_protect(graph), keep=released)
         else:
