@@ -20,7 +20,11 @@ Watchdog: a collective that has not completed ``timeout`` seconds after it start
 rank died, hangs, or issued a different collective) makes the process print a message naming
 the collective and call ``MPI_Abort`` on ``COMM_WORLD``, which ends every rank of the job.
 ``timeout`` is ``HYBRIDL_DIST_TIMEOUT`` (seconds, default 60) or :func:`set_timeout`.
+
+Exit: a script may end with collectives still pending (nothing waited for the last steps);
+they all run before the engine stops, within the same bound (``_finish_collectives_at_exit``).
 """
+import atexit
 import itertools
 import os
 import sys
@@ -61,6 +65,8 @@ class _State:
         self.local_rank = 0
         self.thread_level = None
         self.seq = itertools.count()
+        self.pushed = 0             # collectives pushed / run (ended, either way) so far
+        self.ran = 0
         # a bad HYBRIDL_DIST_* value is raised by init() -- on every rank together (a rank
         # that raised alone, before the others' first collective, would leave them hanging)
         self.timeout, self.settings_error = 60.0, None
@@ -233,6 +239,8 @@ def init():
                 st.watchdog = threading.Thread(target=_watchdog, name="hybridl-dist-watchdog",
                                                daemon=True)
                 st.watchdog.start()
+                # after the engine's exit hook is registered, so it runs before it (LIFO)
+                atexit.register(_finish_collectives_at_exit)
                 if sys.excepthook is not _excepthook:
                     _PREV_HOOK[0] = sys.excepthook
                     sys.excepthook = _excepthook
@@ -258,6 +266,35 @@ def _excepthook(exc_type, exc, tb):
         time.sleep(UNCAUGHT_GRACE_S)
     finally:
         _abort(f"an uncaught {exc_type.__name__} ended this rank", code=1)
+
+
+def _finish_collectives_at_exit():
+    """At exit, run the collectives still pending before the engine stops (``atexit``, ahead of
+    the engine's own exit hook). The engine's exit cancels what has not run after a grace
+    period; one rank cancelling a collective that another rank runs would leave that rank
+    waiting in it, and MPI_Finalize called while the communication thread is still inside MPI
+    crashed the process (a segfault or glibc's "corrupted double-linked list"). So a rank
+    waits for every collective it pushed: one that cannot complete (another rank never
+    issues it) is ended by the watchdog after ``timeout`` seconds, with its message. A
+    collective that never starts (its inputs' ops do not finish) is given up after
+    ``timeout`` seconds without progress. Not after a Ctrl-C (the user asked to stop)."""
+    st = state
+    if getattr(sys, "last_type", None) is KeyboardInterrupt or _engine._INTERRUPTED[0]:
+        return
+    try:
+        last, since = st.ran, time.monotonic()
+        while st.ran < st.pushed:
+            time.sleep(0.002)
+            if st.ran != last or st.inflight is not None:
+                last, since = st.ran, time.monotonic()
+            elif time.monotonic() - since > st.timeout:
+                sys.stderr.write(
+                    f"hybridl.distributed: rank {st.rank}/{st.size}: {st.pushed - st.ran} "
+                    f"collective(s) pushed had not started {st.timeout:g} s after the program "
+                    f"ended (their inputs' ops did not finish); they are cancelled\n")
+                return
+    except KeyboardInterrupt:
+        pass
 
 
 def _watchdog():
@@ -313,6 +350,7 @@ def push_collective(fn, reads=(), writes=(), name="collective", nbytes=0, priori
     """
     st = state
     seq = next(st.seq)
+    st.pushed = seq + 1
     MPI = st.mpi
 
     reads = list(reads)
@@ -336,6 +374,7 @@ def push_collective(fn, reads=(), writes=(), name="collective", nbytes=0, priori
         finally:
             st.inflight = None
             st.failed_input = None
+            st.ran += 1
         if failed is not None:      # took part with zeros: this rank's results are not real
             raise _original(failed)
 
