@@ -268,7 +268,7 @@ if rank == 1:
         p.set_data(hl.nd.ones(p.shape))
 hp = {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-3} if opt == "sgd" else \
      {"learning_rate": 0.01, "wd": 1e-3}
-kv = dist.DistKVStore(bucket_mb=0.001) if size > 1 else None
+kv = dist.DistKVStore(bucket_mb=float(sys.argv[3])) if size > 1 else None
 trainer = hl.Trainer(net.collect_params(), opt, hp, kvstore=kv, update_on_kvstore=True if size > 1 else None)
 """ + _GLOBAL_BATCH + """held = None
 for s in range(steps):
@@ -519,19 +519,22 @@ def test_ranks_train_like_one_process_on_the_global_batch(tmp_path, ranks):
 
 @mpi
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
-@pytest.mark.parametrize("ranks,shm", [(2, "1"), (3, "1"), (2, "0")])
-def test_update_on_kvstore_trains_like_one_process(tmp_path, opt, ranks, shm):
+@pytest.mark.parametrize("ranks,shm,bucket", [(2, "1", "0.001"), (3, "1", "0.001"),
+                                              (2, "0", "0.001"), (2, "1", "25")])
+def test_update_on_kvstore_trains_like_one_process(tmp_path, opt, ranks, shm, bucket):
     """Trainer(update_on_kvstore=True): each rank sums and updates its block of every bucket
     (uneven blocks with 3 ranks; several buckets) in one shared copy of the weights and the
     optimizer states. Weights and saved states equal one process's on the global batch
     (rtol 1e-5), on every rank; rank 0's initial values win; a weight view held by the user
     keeps its value; weights replaced mid-training (set_data) are taken into the windows
-    again. HYBRIDL_DIST_SHM=0: the default path, same results."""
+    again. HYBRIDL_DIST_SHM=0: the default path, same results. One 25 MB bucket: the whole
+    model, so a rank's block spans parameters with different lr_mult / wd_mult (one kernel
+    call per run of parameters alike)."""
     from safetensors.numpy import load_file
     script = _script(tmp_path, "sharded.py", _TRAIN_SHARDED)
-    single = _single([script, str(tmp_path / "single.npz"), opt])
+    single = _single([script, str(tmp_path / "single.npz"), opt, bucket])
     assert single.returncode == 0, single.stderr
-    out, _ = _mpirun([sys.executable, script, str(tmp_path / "dist.npz"), opt], n=ranks,
+    out, _ = _mpirun([sys.executable, script, str(tmp_path / "dist.npz"), opt, bucket], n=ranks,
                      timeout=90, HYBRIDL_DIST_SHM=shm)
     assert out.returncode == 0, out.stderr
     a, b = np.load(tmp_path / "single.npz"), np.load(tmp_path / "dist.npz")

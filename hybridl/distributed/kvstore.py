@@ -618,6 +618,7 @@ class DistKVStore(KVStore):
                 self._update_private(box, items, names, b, buf, kern, rescale, clip)
                 return
             if hi > lo:
+                runs = []                   # [a, e, lr, wd, t]: consecutive pieces alike
                 for (_, w, s, lr, wd), src, off, cnt in zip(items, grads, b.offsets, b.counts):
                     a, e = max(lo, off), min(hi, off + cnt)
                     if a >= e:
@@ -628,12 +629,20 @@ class DistKVStore(KVStore):
                     np.add(terms[0], terms[1], out=g)
                     for t in terms[2:]:
                         g += t
-                    if factor != 1.0:
-                        g *= np.dtype(dt).type(factor)
+                    if runs and runs[-1][1] == a and runs[-1][2:] == [lr, wd, s["t"]]:
+                        runs[-1][1] = e
+                    else:
+                        runs.append([a, e, lr, wd, s["t"]])
+                if factor != 1.0:
+                    buf[lo:hi] *= np.dtype(dt).type(factor)
+                # the optimizer is elementwise: ONE kernel call per run of parameters with the
+                # same lr, wd and update count (its Python and BLAS-call overhead, 15-45 us a
+                # call while the frontend thread runs, paid once, not per small bias)
+                for a, e, lr, wd, t in runs:
                     wv = P[0, a:e]
                     sl = {k: S[k][0, a:e] for k in names}
                     sd = dict(sl)
-                    res = kern(wv, buf[a:e], sd, lr, wd, s["t"] + 1, rescale, clip, out=wv)
+                    res = kern(wv, buf[a:e], sd, lr, wd, t + 1, rescale, clip, out=wv)
                     if res is not wv:
                         wv[...] = res
                     for k in names:             # a state the kernel replaced (SGD's first step)
