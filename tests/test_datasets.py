@@ -485,6 +485,17 @@ def test_blank_hybridl_data_counts_as_unset(monkeypatch):
     """HYBRIDL_DATA=' ' made a folder named ' ' in the current directory."""
     from hybridl.data.vision import _default_root
     monkeypatch.setenv("HYBRIDL_DATA", " ")
-    assert _default_root("mnist") == os.path.join(os.path.expanduser("~"), ".hybridl", "datasets", "mnist")
+    assert _default_root("mnist", "MNIST") == os.path.join(os.path.expanduser("~"), ".hybridl",
+                                                           "datasets", "mnist")
     monkeypatch.setenv("HYBRIDL_DATA", "~/d")
-    assert _default_root("mnist") == os.path.join(os.path.expanduser("~"), "d", "mnist")
+    assert _default_root("mnist", "MNIST") == os.path.join(os.path.expanduser("~"), "d", "mnist")
+
+
+def test_hybridl_data_naming_a_file_says_so(tmp_path, monkeypatch):
+    """It said '... not found in <file>/mnist', as if the folder were only empty."""
+    f = tmp_path / "afile"
+    f.write_text("x")
+    monkeypatch.setenv("HYBRIDL_DATA", str(f))
+    with pytest.raises(NotADirectoryError, match=r"FashionMNIST: the HYBRIDL_DATA environment "
+                       r"variable is '.*afile', a file; expected a folder"):
+        FashionMNIST(train=False)

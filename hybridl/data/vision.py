@@ -273,10 +273,19 @@ def _check_train(train, name):
                         f"got {train!r}")
 
 
-def _default_root(name):
+def _default_root(name, who):
+    """``$HYBRIDL_DATA/<name>``, else ``~/.hybridl/datasets/<name>``.
+
+    Raises:
+        NotADirectoryError: ``HYBRIDL_DATA`` names a file (it must be a folder)."""
     base = os.environ.get("HYBRIDL_DATA", "").strip()    # (blank: unset)
     if base:
-        return os.path.join(os.path.expanduser(base), name)
+        base = os.path.expanduser(base)
+        if os.path.exists(base) and not os.path.isdir(base):
+            raise NotADirectoryError(
+                f"{who}: the HYBRIDL_DATA environment variable is {base!r}, a file; expected a "
+                f"folder (the dataset is looked for in $HYBRIDL_DATA/{name})")
+        return os.path.join(base, name)
     return os.path.join(os.path.expanduser("~"), ".hybridl", "datasets", name)
 
 
@@ -301,7 +310,8 @@ class _IDXImageDataset(ArrayDataset):
         if root is not None and os.path.exists(root) and not os.path.isdir(root):
             raise NotADirectoryError(f"{type(self).__name__}: root {root!r} is a file, expected "
                                      f"the folder holding the IDX files")
-        self.root = os.path.abspath(os.path.expanduser(root)) if root else _default_root(self.name)
+        self.root = (os.path.abspath(os.path.expanduser(root)) if root else
+                     _default_root(self.name, type(self).__name__))
         self.train = bool(train)
         if mirrors is None:
             mirrors = list(self.default_mirrors)
