@@ -143,6 +143,17 @@ def _binary(op_type, bool_op=None):
     return conv
 
 
+def _conv_power(c, node, ins, outs):
+    """``Pow`` in the output dtype; on bools (ONNX's Pow takes none) ``a ** b`` is 0 only for
+    ``0 ** 1``, i.e. ``a or not b``."""
+    dt = _out_dt(node)
+    xs = _cast_ins(c, node, ins, dt)
+    if dt == np.bool_:
+        c.node("Or", [xs[0], c.one("Not", [xs[1]])], outs)
+    else:
+        c.node("Pow", xs, outs)
+
+
 def _compare(op_type, negate=False):
     def conv(c, node, ins, outs):
         # NumPy's promotion, as the kernels compare: int32/int64 against float32 in float64
@@ -480,7 +491,7 @@ _CONVERTERS = {
     "floor": _unary("Floor"), "sign": _unary("Sign"), "square": _conv_square,
     "log1p": _conv_log1p, "expm1": _conv_expm1, "logical_not": _unary("Not"),
     "add": _binary("Add", "Or"), "subtract": _binary("Sub"), "multiply": _binary("Mul", "And"),
-    "divide": _binary("Div"), "power": _binary("Pow"), "maximum": _binary("Max", "Or"),
+    "divide": _binary("Div"), "power": _conv_power, "maximum": _binary("Max", "Or"),
     "minimum": _binary("Min", "And"),
     "equal": _compare("Equal"), "not_equal": _compare("Equal", negate=True),
     "greater": _compare("Greater"), "greater_equal": _compare("GreaterOrEqual"),
