@@ -231,3 +231,20 @@ def test_split_forward_backward_matches_joint():
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
     for a, b in zip(fo[:2], full[:2]):
         np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+def test_symbolic_batch_norm_in_training_needs_parameter_statistics():
+    """It raised 'assignment to a traced value that is not a parameter': now it says which
+    values, why, and the way out; training=False compiles and matches NumPy."""
+    x, g, b, m, v = (hl.sym.var(n, shape=s) for n, s in
+                     [("x", (4, 3)), ("g", (3,)), ("b", (3,)), ("m", (3,)), ("v", (3,))])
+    with pytest.raises(hl.TracingError, match=r"batch_norm\(training=True\) updates running_mean "
+                       r"and running_var in place.*Pass training=False"):
+        hl.sym.batch_norm(x, g, b, m, v, training=True)
+    f = hl.compile(hl.sym.batch_norm(x, g, b, m, v, training=False))
+    rng = np.random.default_rng(0)
+    xs, gs, bs, ms = (rng.standard_normal(s).astype(np.float32) for s in [(4, 3), 3, 3, 3])
+    vs = rng.uniform(0.5, 2, 3).astype(np.float32)
+    out = f(x=xs, g=gs, b=bs, m=ms, v=vs)
+    want = (xs - ms) / np.sqrt(vs + 1e-5) * gs + bs
+    np.testing.assert_allclose(out.asnumpy(), want, rtol=1e-5, atol=1e-6)

@@ -430,6 +430,8 @@ def batch_norm(x, gamma, beta, running_mean, running_var, eps=1e-5, momentum=0.9
     Raises:
         ValueError: x not 2-D to 5-D or not float, axis out of range, parameters not of shape
             (C,), or (training) only one value per channel.
+        TracingError: training while tracing (``hl.sym``, ``@hl.jit``) with running statistics
+            that are not parameters (there is nothing to update).
     """
     axis = norm_axis(axis, len(x.shape), "batch_norm")
     if not training:
@@ -437,12 +439,20 @@ def batch_norm(x, gamma, beta, running_mean, running_var, eps=1e-5, momentum=0.9
     y, mean, var = apply(BN_TRAIN, x, gamma, beta, eps=float(eps), axis=axis)
     from .. import autograd
     n = numel(x.shape) // max(x.shape[axis], 1)
+    from ..graph.ir import TracingError
     with autograd.pause(autograd.is_training()):    # a failed batch leaves them as they were
-        running_mean._assign(add(multiply(running_mean, momentum), multiply(mean, 1.0 - momentum)),
-                             skip_clean=True)
-        unbiased = multiply(var, n / max(n - 1, 1))
-        running_var._assign(add(multiply(running_var, momentum), multiply(unbiased, 1.0 - momentum)),
-                            skip_clean=True)
+        try:
+            running_mean._assign(add(multiply(running_mean, momentum),
+                                     multiply(mean, 1.0 - momentum)), skip_clean=True)
+            unbiased = multiply(var, n / max(n - 1, 1))
+            running_var._assign(add(multiply(running_var, momentum),
+                                    multiply(unbiased, 1.0 - momentum)), skip_clean=True)
+        except TracingError as e:       # e.g. hl.sym.var statistics: nothing to write into
+            raise TracingError(
+                f"batch_norm(training=True) updates running_mean and running_var in place, so "
+                f"in a traced or symbolic program they must be parameters (nn.BatchNorm in a "
+                f"hybridized block); these are plain inputs ({e}). Pass training=False to "
+                f"normalize with them, or hybridize an nn.BatchNorm block") from None
     return y
 
 
