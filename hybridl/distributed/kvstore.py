@@ -445,8 +445,8 @@ class DistKVStore(KVStore):
         update_on_kvstore=True)``; the sharded optimizer states of ZeRO stage 1, Rajbhandari
         et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
         with the parameters shared instead of all-gathered). Against the allreduce, each rank
-        skips writing the other blocks' sums and copying its own block into the window, and
-        updates 1/N of the parameters: 0-0.5 ms (median ~0.2 ms, ~5%) less per step for the
+        skips writing the other blocks' sums and updates 1/N of the parameters (one kernel
+        call per run of parameters with the same lr, wd and update count): 0-0.5 ms (median ~0.2 ms, ~5%) less per step for the
         2.1 MB MLP of ``benchmarks/distributed.py`` on 2 ranks of the development VM.
 
         One engine op per bucket, pushed now, on the communication queue: it reads the
@@ -574,9 +574,10 @@ class DistKVStore(KVStore):
                     a, e = max(a0, off), min(a1, off + cnt)
                     if a < e:
                         buf[a:e] = 0 if src is None else src[a - off:e - off]
-            # the block this rank sums is read from its gradients, never copied into the row
-            pack(0, lo)
-            pack(hi, n)
+            # the whole row, this rank's own block too: summing that block from the gradients
+            # where they lie instead (one 1/N pack saved) was 1.5-3% slower per MLP step (2
+            # ranks, development VM, A/B interleaved in one job, 3 runs)
+            pack(0, n)
             buf[n:] = extra
             buf[n + 2] = 1 if failed else 0
             buf[n + 5] = 0 if bound_private() else 1
@@ -605,7 +606,6 @@ class DistKVStore(KVStore):
                 P, S = box["P"], box["S"]
             if P is None:                   # no window for the parameters: each rank sums
                 if rows is not None:        # and updates all of them in its own memory
-                    pack(lo, hi)
                     gpool.sync(rows)        # every row whole
                     buf = rows[0] + rows[1]
                     for q in range(2, size):
@@ -619,16 +619,18 @@ class DistKVStore(KVStore):
                 return
             if hi > lo:
                 runs = []                   # [a, e, lr, wd, t]: consecutive pieces alike
-                for (_, w, s, lr, wd), src, off, cnt in zip(items, grads, b.offsets, b.counts):
+                for (_, w, s, lr, wd), off, cnt in zip(items, b.offsets, b.counts):
                     a, e = max(lo, off), min(hi, off + cnt)
                     if a >= e:
                         continue
-                    # the sum in rank order, this rank's term from its own gradient
-                    terms = [src[a - off:e - off] if q == r else rows[q, a:e] for q in range(size)]
-                    g = buf[a:e]
-                    np.add(terms[0], terms[1], out=g)
-                    for t in terms[2:]:
-                        g += t
+                    g = buf[a:e]                    # (= rows[r, a:e]: this rank's term)
+                    if size == 2:                   # the sum in rank order
+                        np.add(rows[0, a:e], rows[1, a:e], out=g)
+                    else:                           # (g must not be written before it is read)
+                        acc = rows[0, a:e] + rows[1, a:e]
+                        for q in range(2, size):
+                            acc += rows[q, a:e]
+                        g[...] = acc
                     if runs and runs[-1][1] == a and runs[-1][2:] == [lr, wd, s["t"]]:
                         runs[-1][1] = e
                     else:
